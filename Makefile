@@ -1,0 +1,53 @@
+# grpokit: every target sets up what it needs in .venv on first use.
+#
+# PyTorch choice (the one place it is made): on a machine without a CUDA GPU we install the CPU
+# build, never the multi-GB CUDA wheels. Pinning torch==$(TORCH_VERSION) and adding PyTorch's CPU
+# index lets pip pick the "+cpu" build (local wheels configured for pip, such as a CI image's,
+# satisfy the same pin). With `nvidia-smi` present, plain PyPI gives the CUDA build.
+# Override with `make TORCH_SPEC=... TORCH_INDEX=...`.
+PYTHON        ?= python3
+VENV          ?= .venv
+TORCH_VERSION ?= 2.13.0
+TORCH_SPEC    ?= torch==$(TORCH_VERSION)
+HAS_GPU       := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
+TORCH_INDEX   ?= $(if $(HAS_GPU),,--extra-index-url https://download.pytorch.org/whl/cpu)
+PY            := $(VENV)/bin/python
+STAMP         := $(VENV)/.grpokit-installed
+export OMP_NUM_THREADS ?= $(shell nproc 2>/dev/null || echo 2)
+
+.PHONY: setup test test-fast demo demo-quick compare bench clean help
+
+help:
+	@echo "make demo       GRPO teaches a tiny model arithmetic on this CPU (embedded, nothing downloaded)"
+	@echo "make test       the whole test suite"
+	@echo "make test-fast  unit tier only (no end-to-end runs)"
+	@echo "make bench      benchmark against TRL in the same run (see docs/performance.md)"
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --retries 0 $(TORCH_INDEX) "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	@touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+demo: $(STAMP)
+	$(VENV)/bin/grpokit demo
+
+demo-quick: $(STAMP)
+	$(VENV)/bin/grpokit demo --quick
+
+compare: $(STAMP)
+	$(VENV)/bin/grpokit compare grpo dr_grpo dapo reinforce grpo_buckets
+
+bench: $(STAMP)
+	$(PY) bench/run.py
+
+clean:
+	rm -rf $(VENV) .venv-bench .pytest_cache runs

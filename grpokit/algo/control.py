@@ -1,0 +1,314 @@
+"""KL-coefficient (β) controllers behind one small interface.
+
+A controller holds the β for the *current* update. After the update the trainer calls
+``beta_next = ctrl.step(observed_kl)`` with the KL it measured (any consistent estimate, e.g. the
+mean per-token k3 to the reference); the return value is the β to use for the next update.
+``state_dict()`` / ``load_state_dict()`` make it resumable. ``build_controller(kind, **kwargs)``
+builds one by name: fixed, adaptive, ziegler, warmup, schedule. ``warmup`` and ``schedule``
+multiply the β of an ``inner`` controller (default: fixed), so they compose, e.g.
+``build_controller("warmup", inner={"kind": "adaptive", ...}, steps=50)``; the inner controller is
+stepped on every call and still sees the observed KL. A non-finite observed KL raises ValueError:
+the caller should skip the step instead.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol, runtime_checkable
+
+from grpokit._names import lookup
+
+__all__ = [
+    "AdaptiveKL",
+    "CONTROLLERS",
+    "FixedKL",
+    "KLController",
+    "ScheduleKL",
+    "WarmupKL",
+    "ZieglerKL",
+    "build_controller",
+]
+
+
+@runtime_checkable
+class KLController(Protocol):
+    @property
+    def beta(self) -> float: ...
+
+    def step(self, observed_kl: float) -> float: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def _check_kl(observed_kl: float) -> float:
+    kl = float(observed_kl)
+    if not math.isfinite(kl):
+        raise ValueError(f"observed KL must be finite, got {kl}; skip the controller step instead")
+    return kl
+
+
+def _check_kind(state: dict, kind: str) -> None:
+    if state.get("kind") != kind:
+        raise ValueError(f"state_dict is for controller {state.get('kind')!r}, not {kind!r}")
+
+
+class FixedKL:
+    """β constant (verl ``kl_ctrl.type=fixed``; TRL ``beta``)."""
+
+    kind = "fixed"
+
+    def __init__(self, beta: float):
+        if not beta >= 0:
+            raise ValueError(f"beta must be >= 0, got {beta!r}")
+        self._beta = float(beta)
+
+    @property
+    def beta(self) -> float:
+        return self._beta
+
+    def step(self, observed_kl: float) -> float:
+        _check_kl(observed_kl)
+        return self._beta
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "beta": self._beta}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_kind(state, self.kind)
+        self._beta = float(state["beta"])
+
+
+class AdaptiveKL:
+    """Target-band controller: β ← β·factor if KL > high, β ← β/factor if KL < low, else unchanged;
+    then clipped to [beta_min, beta_max]. The multiplicative band rule is the PPO-penalty rule of
+    Schulman et al. 2017 (PPO paper §4, which uses factor 2 and band [d/1.5, 1.5d]); default
+    factor here is 1.5. beta_min > 0 by default so β can always grow back.
+    """
+
+    kind = "adaptive"
+
+    def __init__(
+        self,
+        beta: float,
+        low: float,
+        high: float,
+        *,
+        factor: float = 1.5,
+        beta_min: float = 1e-6,
+        beta_max: float = 10.0,
+    ):
+        if not (0 <= low <= high):
+            raise ValueError(f"need 0 <= low <= high, got low={low}, high={high}")
+        if not factor > 1:
+            raise ValueError(f"factor must be > 1, got {factor!r}")
+        if not (0 <= beta_min <= beta <= beta_max):
+            raise ValueError(
+                f"need 0 <= beta_min <= beta <= beta_max, got {beta_min}, {beta}, {beta_max}"
+            )
+        self.low, self.high, self.factor = float(low), float(high), float(factor)
+        self.beta_min, self.beta_max = float(beta_min), float(beta_max)
+        self._beta = float(beta)
+
+    @property
+    def beta(self) -> float:
+        return self._beta
+
+    def step(self, observed_kl: float) -> float:
+        kl = _check_kl(observed_kl)
+        if kl > self.high:
+            self._beta *= self.factor
+        elif kl < self.low:
+            self._beta /= self.factor
+        self._beta = min(max(self._beta, self.beta_min), self.beta_max)
+        return self._beta
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "beta": self._beta}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_kind(state, self.kind)
+        self._beta = float(state["beta"])
+
+
+class ZieglerKL:
+    """Proportional controller of Ziegler et al. 2019 (arXiv 1909.08593 §2.2; FORMULAS §8):
+
+        e = clip(KL/target − 1, −0.2, 0.2);   β ← β·(1 + K·e)
+
+    K = n_steps/horizon as in lm-human-preferences ``train_policy.py`` and verl (n_steps = episodes
+    per update, horizon default 10000), or given directly as ``k_beta`` (the paper's 0.1, the
+    default when neither is given). The linear factor is the paper's and code's, not exp(K·e).
+    """
+
+    kind = "ziegler"
+
+    def __init__(
+        self,
+        beta: float,
+        target: float,
+        *,
+        horizon: float = 10000.0,
+        n_steps: int | None = None,
+        k_beta: float | None = None,
+    ):
+        if not beta >= 0 or not target > 0:
+            raise ValueError(f"need beta >= 0 and target > 0, got beta={beta}, target={target}")
+        if n_steps is not None and k_beta is not None:
+            raise ValueError("give n_steps (with horizon) or k_beta, not both")
+        if n_steps is not None:
+            if not (horizon > 0 and n_steps > 0):
+                raise ValueError(f"need n_steps > 0 and horizon > 0, got {n_steps}, {horizon}")
+            k_beta = n_steps / horizon
+        self.k_beta = 0.1 if k_beta is None else float(k_beta)
+        if not 0 <= self.k_beta < 5:  # K·0.2 < 1 keeps β positive
+            raise ValueError(f"k_beta must be in [0, 5), got {self.k_beta}")
+        self.target = float(target)
+        self._beta = float(beta)
+
+    @property
+    def beta(self) -> float:
+        return self._beta
+
+    def step(self, observed_kl: float) -> float:
+        kl = _check_kl(observed_kl)
+        error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+        self._beta *= 1.0 + self.k_beta * error
+        return self._beta
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "beta": self._beta}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_kind(state, self.kind)
+        self._beta = float(state["beta"])
+
+
+def _cosine_or_linear(progress: float, shape: str) -> float:
+    """1 → 0 as progress goes 0 → 1 (clamped)."""
+    p = min(max(progress, 0.0), 1.0)
+    return 0.5 * (1.0 + math.cos(math.pi * p)) if shape == "cosine" else 1.0 - p
+
+
+class _Scaled:
+    """β = inner.β · scale(t), t = number of completed steps. Subclasses define ``scale``."""
+
+    kind = ""
+
+    def __init__(self, inner: KLController | None, beta: float | None):
+        if inner is None:
+            if beta is None:
+                raise ValueError(f"controller {self.kind!r} needs beta or inner")
+            inner = FixedKL(beta)
+        elif beta is not None:
+            raise ValueError(f"controller {self.kind!r}: give beta or inner, not both")
+        self.inner, self.t = inner, 0
+
+    def scale(self, t: int) -> float:
+        raise NotImplementedError
+
+    @property
+    def beta(self) -> float:
+        return self.inner.beta * self.scale(self.t)
+
+    def step(self, observed_kl: float) -> float:
+        self.inner.step(observed_kl)
+        self.t += 1
+        return self.beta
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "t": self.t, "inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_kind(state, self.kind)
+        self.t = int(state["t"])
+        self.inner.load_state_dict(state["inner"])
+
+
+def _check_shape(shape: str, allowed: tuple[str, ...]) -> str:
+    if shape not in allowed:
+        raise ValueError(f"shape must be one of {allowed}, got {shape!r}")
+    return shape
+
+
+class WarmupKL(_Scaled):
+    """High β early: scale = 1 + (start_scale − 1)·w(t/steps), w decaying 1 → 0 linearly or by
+    half a cosine; scale = 1 from t = steps on. At t = 0 β = start_scale·β_inner."""
+
+    kind = "warmup"
+
+    def __init__(
+        self,
+        inner: KLController | None = None,
+        *,
+        beta: float | None = None,
+        steps: int,
+        start_scale: float = 10.0,
+        shape: str = "cosine",
+    ):
+        super().__init__(inner, beta)
+        if not steps >= 1 or not start_scale >= 1:
+            raise ValueError(f"need steps >= 1 and start_scale >= 1, got {steps}, {start_scale}")
+        self.steps, self.start_scale = int(steps), float(start_scale)
+        self.shape = _check_shape(shape, ("linear", "cosine"))
+
+    def scale(self, t: int) -> float:
+        return 1.0 + (self.start_scale - 1.0) * _cosine_or_linear(t / self.steps, self.shape)
+
+
+class ScheduleKL(_Scaled):
+    """Late-training scale-down: scale = 1 until t = start_frac·total_steps, then decays to
+    final_scale at t = total_steps ("linear" or "cosine"), or jumps to it ("step"); final_scale
+    after."""
+
+    kind = "schedule"
+
+    def __init__(
+        self,
+        inner: KLController | None = None,
+        *,
+        beta: float | None = None,
+        total_steps: int,
+        start_frac: float = 0.8,
+        final_scale: float = 0.1,
+        shape: str = "linear",
+    ):
+        super().__init__(inner, beta)
+        if not (total_steps >= 1 and 0 <= start_frac <= 1 and final_scale >= 0):
+            raise ValueError(
+                f"need total_steps >= 1, 0 <= start_frac <= 1, final_scale >= 0; got "
+                f"{total_steps}, {start_frac}, {final_scale}"
+            )
+        self.total_steps, self.start_frac = int(total_steps), float(start_frac)
+        self.final_scale = float(final_scale)
+        self.shape = _check_shape(shape, ("linear", "cosine", "step"))
+
+    def scale(self, t: int) -> float:
+        start = self.start_frac * self.total_steps
+        if t < start:
+            return 1.0
+        if self.shape == "step" or start >= self.total_steps:
+            return self.final_scale
+        w = _cosine_or_linear((t - start) / (self.total_steps - start), self.shape)
+        return self.final_scale + (1.0 - self.final_scale) * w
+
+
+CONTROLLERS: dict[str, type] = {
+    c.kind: c for c in (FixedKL, AdaptiveKL, ZieglerKL, WarmupKL, ScheduleKL)
+}
+
+
+def build_controller(kind: str, **kwargs: Any) -> KLController:
+    """Build a controller by name. For warmup / schedule, ``inner`` may be a controller or a dict
+    ``{"kind": ..., **kwargs}`` (built recursively); without ``inner``, ``beta`` gives a fixed one.
+    """
+    lookup(CONTROLLERS, kind, "KL controller")
+    inner = kwargs.get("inner")
+    if isinstance(inner, dict):
+        inner = dict(inner)
+        kwargs["inner"] = build_controller(inner.pop("kind", "fixed"), **inner)
+    try:
+        return CONTROLLERS[kind](**kwargs)
+    except TypeError as e:  # unknown / missing keyword: report it as a config error
+        raise ValueError(f"KL controller {kind!r}: {e}") from None

@@ -1,0 +1,418 @@
+"""Typed configuration: YAML files, presets, `key.sub=value` overrides, one docstring per field.
+
+Defaults follow the seed's table (G 16, temperature 0.8, epsilon 0.2, beta 0.02 with the adaptive
+controller, lr 3e-6 for full fine-tuning, 2048 new tokens). A preset is a small YAML file that sets
+only what differs; `base:` in a YAML file names another file or preset it extends.
+
+Every error a user can make here raises `ConfigError` with one line naming the key; the CLI prints
+it and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from grpokit.monitor.health import HealthConfig
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+class ConfigError(ValueError):
+    """A one-line, user-facing configuration error."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class ModelConfig(_Section):
+    path: str = "tiny"
+    """Local Hugging Face causal-LM directory. Nothing is ever downloaded: a missing path is an error."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights dtype; `auto` is float32 on CPU and bfloat16 on a CUDA GPU."""
+    device: str = "auto"
+    """`auto` (CUDA when available, else CPU), `cpu` or `cuda[:N]`."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward (less memory, about 30% more compute)."""
+    trust_remote_code: bool = False
+    """Allow model code shipped inside the model directory."""
+
+
+class CurriculumConfig(_Section):
+    enabled: bool = False
+    """Curriculum sampling (grpokit.data.curriculum): easier prompts first."""
+    start: float = Field(0.3, ge=0, le=1)
+    """Difficulty threshold at step 0 (difficulty = 1 - pass rate)."""
+    end: float = Field(1.0, ge=0, le=1)
+    """Difficulty threshold once the ramp is over."""
+    ramp_steps: int = Field(100, ge=1)
+    """Steps over which the threshold rises linearly."""
+    pool_factor: int = Field(4, ge=1)
+    """Candidates considered per prompt drawn."""
+    ema: float = Field(0.5, gt=0, le=1)
+    """Weight of the newest pass rate in a prompt's difficulty estimate."""
+    prior_field: str = "difficulty"
+    """Dataset column holding a prior difficulty in [0, 1] for unseen prompts."""
+    prior: float = Field(0.5, ge=0, le=1)
+    """Difficulty of an unseen prompt without that column."""
+
+
+class DataConfig(_Section):
+    path: str = ""
+    """Prompt dataset: a .jsonl / .parquet file or a `datasets` dataset saved on disk."""
+    eval_path: str = ""
+    """Held-out prompts for `eval/pass@1` (same format); empty disables evaluation."""
+    prompt_field: str = "prompt"
+    """Column holding the prompt (a string, or a list of chat messages)."""
+    answer_field: str = "answer"
+    """Column holding the reference answer; passed to rewards as `answer`."""
+    chat_template: Literal["auto", "never", "always"] = "auto"
+    """Apply the tokenizer's chat template: `auto` does so for conversational prompts when the
+    tokenizer has one."""
+    shuffle: bool = True
+    """Reshuffle the prompts every epoch (seeded)."""
+    eval_size: int = Field(0, ge=0)
+    """Evaluate on at most this many held-out prompts (0 = all)."""
+    curriculum: CurriculumConfig = CurriculumConfig()
+    """Curriculum sampling by tracked pass rate."""
+
+
+class RolloutConfig(_Section):
+    engine: Literal["hf"] = "hf"
+    """Generation engine (`hf`: transformers model with a KV cache, in-process)."""
+    group_size: int = 16
+    """G: completions sampled per prompt."""
+    batch_size: int = 64
+    """Completions per step (prompts per step = batch_size / group_size)."""
+    temperature: float = Field(0.8, gt=0)
+    """Sampling temperature. Log-probs for the loss use logits / temperature, like the sampler."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass (1 = off)."""
+    top_k: int = Field(0, ge=0)
+    """Sample among the k most likely tokens (0 = off)."""
+    max_new_tokens: int = 2048
+    """Longest completion in tokens; longer ones are cut and marked `finish_reason=length`."""
+    resample_threshold: float | None = Field(None, gt=0, lt=1)
+    """Over-confidence resampling (seed 3.2): when the top token's probability exceeds this, sample
+    from the distribution with that token excluded. None = off."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and refill the batch with
+    fresh prompts, up to `max_sampling_rounds` generation rounds."""
+    max_sampling_rounds: int = Field(3, ge=1)
+    """Generation rounds per step with dynamic sampling (the batch may stay short after them)."""
+
+
+class KLConfig(_Section):
+    beta: float = Field(0.02, ge=0)
+    """KL coefficient (initial value for adaptive controllers). 0 = no reference model."""
+    estimator: Literal["k1", "k2", "k3", "k3_is"] = "k3"
+    """Per-token KL estimator (docs/algorithms.md says which gradient each gives)."""
+    controller: Literal["fixed", "adaptive", "ziegler", "warmup", "schedule"] = "adaptive"
+    """How beta changes during training."""
+    target_low: float = 0.01
+    """Adaptive controller: lower beta when the observed KL is below this."""
+    target_high: float = 0.1
+    """Adaptive controller: raise beta when the observed KL is above this."""
+    controller_args: dict[str, Any] = {}
+    """Extra arguments for the controller (see grpokit.algo.control)."""
+    in_reward: bool = False
+    """Put the (detached, k1) KL into the reward instead of the loss."""
+    ref_dropout: float = Field(0.0, ge=0, lt=1)
+    """Reference dropout (seed 3.1): dropout on the reference's hidden states when computing KL."""
+
+
+class FilterConfig(_Section):
+    max_length: int | None = None
+    """Drop completions longer than this many tokens from the loss."""
+    drop_truncated: bool = False
+    """Drop completions cut at max_new_tokens."""
+    drop_duplicates: bool = False
+    """Drop repeated identical completions within a group (the first is kept)."""
+    format_reward: str | None = None
+    """Drop samples scoring <= 0 on this reward function (a format check)."""
+    drop_nonfinite: bool = True
+    """Drop samples whose reward could not be computed."""
+
+
+class RewriteConfig(_Section):
+    enabled: bool = False
+    """Wrong-answer rewriting (grpokit.data.rewrite): wrong completions become teaching sequences."""
+    weight: float = Field(0.1, ge=0)
+    """Weight of the auxiliary likelihood term on the rewritten note."""
+    template: str = "\nThat is wrong: the verified answer differs. The answer is {answer}."
+    """Note appended to a wrong completion; `{answer}` is the reference answer."""
+    max_per_step: int = Field(16, ge=1)
+    """Rewritten sequences per step at most."""
+
+
+class AlgorithmConfig(_Section):
+    advantage: str = "grpo"
+    """Advantage estimator: grpo, dr_grpo, rloo, sign, reinforce_pp_baseline, batch_std, opo."""
+    adv_eps: float = 1e-6
+    """Added to the group std before dividing."""
+    length_buckets: list[float] | None = None
+    """Length-bucketed baselines: bucket edges (tokens, or quantiles in (0,1) with bucket_mode)."""
+    bucket_mode: Literal["tokens", "quantiles"] = "tokens"
+    """Whether `length_buckets` are token counts or quantiles of each group's lengths."""
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    """Loss aggregation (token_mean = DAPO, seq_mean_token_mean = GRPO paper, seq_mean_token_sum_norm
+    = Dr. GRPO with max_new_tokens as the constant)."""
+    eps_low: float = Field(0.2, ge=0)
+    """Lower clip range: ratio >= 1 - eps_low."""
+    eps_high: float = Field(0.2, ge=0)
+    """Upper clip range: ratio <= 1 + eps_high (DAPO clip-higher: 0.28)."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 for negative advantages (None = off)."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """`sequence` = GSPO's length-normalised sequence ratio."""
+    mu: int = Field(1, ge=1)
+    """Policy updates (passes) per rollout batch. With mu = 1 and one mini-batch the old log-probs
+    are the current ones, detached (no extra forward pass)."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per pass: the rollout batch is split into this many mini-batches."""
+    mask_truncated: bool = False
+    """Overlong filtering (DAPO): truncated completions get no loss."""
+    kl: KLConfig = KLConfig()
+    """KL penalty to the frozen reference."""
+    sample_filter: FilterConfig = FilterConfig()
+    """Proxy-based sample filtering (seed 3.1)."""
+    rewrite: RewriteConfig = RewriteConfig()
+    """Wrong-answer rewriting (seed 3.1)."""
+    pass_threshold: float = 1.0
+    """A completion passes (for pass@1, curriculum and rewriting) when the first reward is >= this."""
+
+
+class RewardSpecConfig(_Section):
+    name: str
+    """Registered reward name (grpokit.rewards)."""
+    weight: float = 1.0
+    """Weight in the summed reward."""
+    args: dict[str, Any] = {}
+    """Keyword arguments bound to the reward function."""
+    timeout_s: float | None = None
+    """Time budget for one call; over it the batch scores None and an error is counted."""
+
+
+class OptimConfig(_Section):
+    lr: float = Field(3e-6, gt=0)
+    """AdamW learning rate (seed: 3e-6 full fine-tune, 1e-4 to 2e-4 LoRA)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up, in optimizer steps."""
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate schedule after warm-up."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient clipping by global norm."""
+    micro_batch_size: int = Field(16, ge=1)
+    """Sequences per forward/backward (gradient accumulation makes up the mini-batch)."""
+    logprob_chunk: int = Field(1024, ge=1)
+    """Tokens per chunk when computing log-probs from hidden states (bounds logits memory)."""
+
+
+class TrainConfig(_Section):
+    steps: int = Field(100, ge=1)
+    """Rollout-and-update steps."""
+    seed: int = 0
+    """Seeds data order, sampling and initialisation."""
+    run_dir: str = "runs/grpo"
+    """Where metrics, samples, checkpoints and the report go."""
+    save_every: int = Field(0, ge=0)
+    """Checkpoint every N steps (0 = only at the end)."""
+    keep_last: int = Field(2, ge=1)
+    """Checkpoints kept (older ones are deleted)."""
+    eval_every: int = Field(0, ge=0)
+    """Held-out evaluation every N steps (0 = only before and after)."""
+    eval_samples: int = Field(0, ge=0)
+    """Sampled completions per eval prompt for `eval/mean@k` (0 = greedy only)."""
+    sample_every: int = Field(10, ge=0)
+    """Write completions to RUN_DIR/samples every N steps (0 = never)."""
+    tensorboard: bool = True
+    """Also log to TensorBoard when it is installed."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+class GuardConfig(_Section):
+    max_consecutive_bad: int = Field(3, ge=1)
+    """After this many steps in a row whose update was skipped as non-finite, roll back to the last
+    healthy checkpoint."""
+    rollback_lr_factor: float = Field(0.5, gt=0, le=1)
+    """Multiply the learning rate by this at each rollback."""
+    max_rollbacks: int = Field(3, ge=0)
+    """Give up (stop with an error) after this many rollbacks."""
+    ref_check_every: int = Field(10, ge=0)
+    """Recompute the reference's log-probs on a fixed probe batch every N steps (0 = never)."""
+    ref_tolerance: float = Field(1e-4, ge=0)
+    """Largest allowed drift of those log-probs (nats) before `ref/integrity_drift` alarms."""
+    ref_strict: bool = False
+    """Stop with an error instead of alarming when the reference drifts."""
+
+
+class Config(_Section):
+    model: ModelConfig = ModelConfig()
+    """The policy model."""
+    data: DataConfig = DataConfig()
+    """Prompts."""
+    rollout: RolloutConfig = RolloutConfig()
+    """Sampling."""
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    """Advantages, loss and KL."""
+    rewards: list[RewardSpecConfig] = [RewardSpecConfig(name="math_accuracy")]
+    """Reward functions, summed with their weights."""
+    optim: OptimConfig = OptimConfig()
+    """Optimizer."""
+    train: TrainConfig = TrainConfig()
+    """Loop, checkpoints, logging."""
+    health: HealthConfig = HealthConfig()
+    """Health alarms (grpokit.monitor.health): per-alarm thresholds and action warn / stop / off."""
+    guard: GuardConfig = GuardConfig()
+    """Non-finite guard, rollback and reference integrity."""
+
+    @model_validator(mode="after")
+    def _combinations(self) -> "Config":
+        r = self.rollout
+        if r.group_size < 2:
+            raise ValueError("rollout.group_size must be >= 2 (group-relative advantages need a group)")
+        if r.batch_size % r.group_size:
+            raise ValueError(f"rollout.batch_size ({r.batch_size}) must be divisible by rollout.group_size ({r.group_size})")
+        if r.max_new_tokens <= 0:
+            raise ValueError("rollout.max_new_tokens must be > 0")
+        if r.batch_size % self.algorithm.mini_batches:
+            raise ValueError("rollout.batch_size must be divisible by algorithm.mini_batches")
+        if self.algorithm.dual_clip is not None and self.algorithm.dual_clip <= 1:
+            raise ValueError("algorithm.dual_clip must be > 1")
+        if self.algorithm.length_buckets is not None and self.algorithm.bucket_mode == "quantiles":
+            if not all(0 < q < 1 for q in self.algorithm.length_buckets):
+                raise ValueError("algorithm.length_buckets must lie in (0, 1) with bucket_mode=quantiles")
+        return self
+
+    @property
+    def prompts_per_step(self) -> int:
+        return self.rollout.batch_size // self.rollout.group_size
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        full = f"{prefix}{name}"
+        keys.append(full)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys += _valid_keys(ann, full + ".")
+    return keys
+
+
+def _suggest(key: str) -> str:
+    close = difflib.get_close_matches(key, _valid_keys(Config), n=1, cutoff=0.6)
+    if not close:  # compare leaf names too: "algorithm.eps_hgh" -> "algorithm.eps_high"
+        leafs = {k.rsplit(".", 1)[-1]: k for k in _valid_keys(Config)}
+        hit = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(leafs), n=1, cutoff=0.7)
+        close = [leafs[hit[0]]] if hit else []
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _format_error(err: ValidationError) -> str:
+    e = err.errors()[0]
+    loc = ".".join(str(p) for p in e["loc"])
+    if e["type"] == "extra_forbidden":
+        return f"unknown config key '{loc}'{_suggest(loc)}"
+    msg = e["msg"].removeprefix("Value error, ")
+    if not loc:
+        return msg
+    got = e.get("input")
+    got = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
+    return f"config key '{loc}': {msg}{got}"
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def resolve_preset(name_or_path: str) -> Path:
+    """A YAML path, or the name of a bundled preset (`dapo` -> grpokit/presets/dapo.yaml)."""
+    p = Path(name_or_path)
+    if p.is_file():
+        return p
+    bundled = PRESET_DIR / f"{name_or_path.removesuffix('.yaml')}.yaml"
+    if bundled.is_file():
+        return bundled
+    names = sorted(f.stem for f in PRESET_DIR.glob("*.yaml"))
+    close = difflib.get_close_matches(p.stem, names, n=1)
+    hint = f" (did you mean preset '{close[0]}'?)" if close else f"; bundled presets: {', '.join(names)}"
+    raise ConfigError(f"config file not found: {name_or_path}{hint}")
+
+
+def _read_yaml(path: Path, seen: tuple = ()) -> dict:
+    if path.resolve() in seen:
+        raise ConfigError(f"config 'base:' loop through {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: invalid YAML ({getattr(exc, 'problem', exc)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a config file must be a YAML mapping")
+    base = data.pop("base", None)
+    if base:
+        bases = base if isinstance(base, list) else [base]
+        merged: dict = {}
+        for b in bases:
+            b_path = resolve_preset(b) if not (path.parent / b).is_file() else path.parent / b
+            merged = _deep_merge(merged, _read_yaml(b_path, seen + (path.resolve(),)))
+        data = _deep_merge(merged, data)
+    return data
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' must look like key.sub=value")
+    key, raw = item.split("=", 1)
+    if not key.strip():
+        raise ConfigError(f"override '{item}' has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def load_config(paths: list[str] | str | None = None, overrides: list[str] | None = None) -> Config:
+    """Merge YAML files (or preset names) left to right, apply `key=value` overrides, validate."""
+    data: dict = {}
+    for p in [paths] if isinstance(paths, str) else (paths or []):
+        data = _deep_merge(data, _read_yaml(resolve_preset(p)))
+    for item in overrides or []:
+        keys, value = parse_override(item)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{item}': '{k}' is not a section")
+        node[keys[-1]] = value
+    return config_from_dict(data)
+
+
+def config_from_dict(data: dict) -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,36 @@
+"""Verifiable rewards: plain functions registered by name, composed with weights from config.
+
+    fn(prompts: list[str], completions: list[str], **columns) -> list[float | None]
+
+Importing this package registers the built-ins (cheap: no process starts until a reward runs):
+
+| name                  | module     | what it pays                                                  |
+|-----------------------|------------|---------------------------------------------------------------|
+| exact_match           | basic      | completion == answer (stripped)                                |
+| numeric_match         | basic      | last number == answer (relative tolerance)                     |
+| math_accuracy         | math       | final answer equivalent to the reference (math-verify)         |
+| math_accuracy_alt     | math       | independent checker for CrossCheck (own extraction, sympy)     |
+| code_tests            | code       | fraction of unit tests passed in the sandbox                   |
+| think_answer_format   | format     | one real <think> then one real <answer>                        |
+| boxed_format          | format     | exactly one real \\boxed{}                                      |
+| code_format           | format     | a fenced python block that parses and does something           |
+| soft_overlong         | penalties  | DAPO soft overlong punishment (<= 0)                           |
+| ngram_repetition      | penalties  | minus the repeated n-gram fraction (<= 0)                      |
+| length_group          | penalties  | Kimi k1.5 length penalty within the group                      |
+| format_violation      | penalties  | -penalty when the format is broken                             |
+
+See docs/rewards.md for formulas, known holes and the sandbox threat model.
+"""
+
+from . import basic, code, format, math, penalties  # noqa: F401 - registers the built-ins
+from .code import CodeResult, extract_code, run_tests, run_tests_batch
+from .compose import CrossCheck, RewardOutput, RewardSet, RewardSpec, check_args
+from .math import verify
+from .penalties import is_truncated
+from .registry import REGISTRY, RewardFn, get, register
+
+__all__ = [
+    "REGISTRY", "RewardFn", "register", "get",
+    "RewardSpec", "RewardSet", "RewardOutput", "CrossCheck", "check_args",
+    "verify", "run_tests", "run_tests_batch", "CodeResult", "extract_code", "is_truncated",
+]

@@ -1,0 +1,269 @@
+"""Answer extraction and equivalence for `grpokit.rewards.math`.
+
+Two halves, one file, so that the worker process loads exactly the code the parent tested:
+
+- extraction and light normalisation (pure string work, linear time, imported by the parent);
+- equivalence through math-verify (`equal_mv`), and `serve()`, the loop of the worker process that
+  the parent runs as `python -I _mathcore.py` and kills when a check overruns its time limit
+  (sympy can spend minutes, or all memory, on one input such as 10^{10^{10^{10}}}).
+
+This file is executed by path in the worker, so it imports only the standard library at the top
+and loads its sibling `_mathalt.py` by path (never the `grpokit` package: a directory on sys.path
+holding `math.py` would shadow the standard library).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+
+MAX_ANSWER_CHARS = 2000  # a longer "answer" is not an answer; it is not sent to sympy
+MAX_BOXED = 4  # more distinct boxed answers than this is hedging whatever they contain
+
+# --------------------------------------------------------------------------- extraction
+
+_CMD = re.compile(r"\\(?:[A-Za-z]+|.)", re.S)
+_BARE_BOX_ARG = re.compile(r"[^\s$\\{}]+")
+
+
+def boxed_contents(text: str) -> list[str]:
+    """Contents of every `\\boxed{...}` / `\\fbox{...}` in order (nested braces and escaped
+    braces handled; unclosed boxes, e.g. from a truncated completion, are dropped). One pass."""
+    out: list[str] = []
+    stack: list[int] = []  # per open brace: start of a boxed group, or -1
+    pending = False  # just saw \boxed, waiting for its argument
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "\\":
+            m = _CMD.match(text, i)
+            name = m.group(0)
+            i = m.end()
+            pending = name in ("\\boxed", "\\fbox")
+            continue
+        if c == "{":
+            stack.append(i + 1 if pending else -1)
+            pending = False
+        elif c == "}":
+            if stack:
+                start = stack.pop()
+                if start >= 0:
+                    out.append(text[start:i])
+        elif pending and not c.isspace():
+            m = _BARE_BOX_ARG.match(text, i)  # "\boxed 5"
+            if m:
+                out.append(m.group(0))
+                i = m.end()
+            pending = False
+            continue
+        i += 1
+    return out
+
+
+_MARKER = re.compile(
+    r"(?:\banswer\s*(?:is|:|=)|^[ \t]*#{4})[ \t]*:?[ \t]*(?:\*\*)?[ \t]*(?P<ans>[^\n]*)",
+    re.I | re.M,
+)
+_MATH_SPAN = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.S)
+_NUMBER = re.compile(
+    r"\\[dt]?frac\{-?\d+\}\{\d+\}|-?\d+(?:,\d{3})+(?:\.\d+)?|-?\d*\.\d+|-?\d+(?:/\d+)?"
+)
+_DISJUNCTION = re.compile(r"\bor\b|\beither\b|\\lor\b|\\vee\b|\band/or\b", re.I)
+_NUM_DISJ = re.compile(r"\d\$?\s*,?\s*(?:or|and/or)\s+\$?-?\d", re.I)
+
+
+@dataclass(frozen=True)
+class Extraction:
+    """What a completion answers. `answers` holds every boxed answer (hedging check) or one
+    answer from the other sources; `hedged` marks a candidate list in the final statement."""
+
+    answers: tuple[str, ...]
+    source: str  # "boxed" | "marker" | "last_number" | "none"
+    hedged: bool = False
+
+
+def _clean(ans: str) -> str:
+    ans = ans.strip()
+    m = _MATH_SPAN.search(ans)
+    if m and not ans.startswith(("(", "[")):  # "the answer is $5$ dollars" -> "5"
+        ans = next(g for g in m.groups() if g is not None)
+    else:
+        ans = re.split(r"\.\s|\.$|\*\*", ans, maxsplit=1)[0]  # up to the end of the sentence
+    return ans.strip().strip("$").strip()
+
+
+def extract_answer(text: str) -> Extraction:
+    """The issue's order: the boxed answers, else an explicit "answer is ..." / "Answer: ..." /
+    "#### ...", else the last number of the final non-empty line."""
+    text = normalize_unicode(text)
+    boxed = [b.strip() for b in boxed_contents(text)]
+    boxed = [b for b in boxed if b]
+    if boxed:
+        return Extraction(tuple(boxed), "boxed")
+    last = None
+    for last in _MARKER.finditer(text):
+        pass
+    if last is not None:
+        ans = _clean(last.group("ans"))
+        if ans:
+            return Extraction((ans,), "marker", hedged=bool(_DISJUNCTION.search(ans)))
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    if lines:
+        nums = _NUMBER.findall(lines[-1])
+        if nums:
+            return Extraction((nums[-1],), "last_number", hedged=bool(_NUM_DISJ.search(lines[-1])))
+    return Extraction((), "none")
+
+
+def reference_answer(ref) -> str:
+    """The gold answer from a dataset field: numbers as text, GSM8K's "#### 42", or a boxed
+    solution; anything else is used as is."""
+    s = normalize_unicode(str(ref)).strip()
+    if "####" in s:
+        return s.rsplit("####", 1)[1].strip()
+    boxed = boxed_contents(s)
+    if boxed:
+        return boxed[-1].strip()
+    return s.strip("$").strip()
+
+
+_UNICODE = {
+    "\u2212": "-", "\u2013": "-", "\u2012": "-", "\u2010": "-", "\u00d7": "\\times ", "\u22c5": "\\cdot ",
+    "\u00b7": "\\cdot ", "\u00f7": "\\div ", "\u221a": "\\sqrt", "\u03c0": "\\pi ", "\u221e": "\\infty ",
+    "\u00b0": "^\\circ", "\u2264": "\\le ", "\u2265": "\\ge ", "\u00a0": " ", "\u2009": " ", "\u202f": " ",
+    "\u200b": "", "\uff0c": ",", "\u00bd": "1/2", "\u2153": "1/3", "\u00bc": "1/4", "\u00be": "3/4",
+}
+_UNICODE_RE = re.compile("|".join(map(re.escape, _UNICODE)))
+
+
+def normalize_unicode(s: str) -> str:
+    return _UNICODE_RE.sub(lambda m: _UNICODE[m.group(0)], s)
+
+
+_THOUSANDS = re.compile(r"(?<=\d)(?:\{,\}|\\,|\\ |\\;|~)(?=\d{3}\b)")
+
+
+def normalize(ans: str) -> str:
+    """Light normalisation math-verify lacks (applied to both sides before it sees them)."""
+    s = normalize_unicode(ans).strip()
+    s = re.sub(r"^\\\(|\\\)$|^\\\[|\\\]$", "", s).strip().strip("$").strip()
+    s = _THOUSANDS.sub("", s)  # 1{,}000 / 1\,000 -> 1000
+    s = re.sub(r"\\(?:boxed|fbox)\s*", "", s)  # a box inside a box
+    s = re.sub(r"(?<=\d)\s*(?:degrees?|\\deg)\b", "", s)
+    s = re.sub(r"\.$", "", s)
+    m = re.fullmatch(r"(-?\d+(?:\.\d+)?)[eE]([-+]?\d+)", s.strip())  # 1e3 (LaTeX would read e as Euler's)
+    if m:
+        s = f"{m.group(1)}\\cdot 10^{{{int(m.group(2))}}}"
+    return s.strip()
+
+
+def squash(s: str) -> str:
+    """For the exact fast path only: no whitespace, no \\left/\\right, d/tfrac -> frac."""
+    s = re.sub(r"\\(?:left|right)(?![A-Za-z])|\\[!,;: ]|\s+", "", s)
+    return s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+
+
+# --------------------------------------------------------------------------- equivalence (worker)
+
+_parse_cache: dict[str, list] = {}
+
+
+def _mv_parse(s: str):
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    if s not in _parse_cache:
+        if len(_parse_cache) > 4096:
+            _parse_cache.clear()
+        cfg = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+        _parse_cache[s] = parse(f"${s}$", extraction_config=cfg, parsing_timeout=None)
+    return _parse_cache[s]
+
+
+def equal_mv(pred: str, ref: str) -> bool:
+    """math-verify's equivalence (sympy underneath); gold first, it is not symmetric."""
+    from math_verify import verify
+
+    gold, target = _mv_parse(ref), _mv_parse(pred)
+    if not gold or not target:
+        return False
+    return bool(verify(gold, target, timeout_seconds=None))
+
+
+class _Deadline(BaseException):
+    """Raised by the interval timer; a BaseException so library `except Exception` lets it by."""
+
+
+def _handle(req: dict) -> dict:
+    import resource
+    import signal
+    import time
+
+    budget = float(req.get("budget", 1.0))
+    # CPU-seconds backstop: if the parent is gone and C code ignores the timer, SIGXCPU ends us.
+    used = int(time.process_time())
+    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+    resource.setrlimit(resource.RLIMIT_CPU, (used + int(budget) + 30, hard))
+    signal.setitimer(signal.ITIMER_REAL, budget)
+    try:
+        if req["op"] == "alt":
+            ok = _alt().equal_alt(req["pred"], req["ref"])
+        else:
+            ok = equal_mv(req["pred"], req["ref"])
+        return {"id": req["id"], "ok": bool(ok)}
+    except _Deadline:
+        return {"id": req["id"], "ok": False, "why": "timeout"}
+    except Exception as e:  # noqa: BLE001 - a check that fails is a "not equal"
+        return {"id": req["id"], "ok": False, "why": f"{type(e).__name__}"}
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+_alt_mod = []
+
+
+def _alt():
+    if not _alt_mod:
+        import importlib.util
+
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_mathalt.py")
+        spec = importlib.util.spec_from_file_location("_grpokit_mathalt", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        _alt_mod.append(mod)
+    return _alt_mod[0]
+
+
+def serve() -> None:
+    """Worker loop: one JSON request per line on stdin, one JSON reply per line on stdout."""
+    import logging
+    import resource
+    import signal
+
+    logging.disable(logging.WARNING)  # math-verify warns about the timeouts we handle ourselves
+    mem = int(os.environ.get("GRPOKIT_MATH_MEMORY_MB", "4096")) * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+
+    def on_alarm(*_):
+        raise _Deadline()
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    equal_mv("1", "1")  # warm the parser (antlr) before saying ready
+    _alt().equal_alt("1", "1")
+    out = sys.stdout.buffer
+    out.write(b"ready\n")
+    out.flush()
+    for line in sys.stdin.buffer:
+        try:
+            req = json.loads(line)
+        except ValueError:
+            continue
+        out.write((json.dumps(_handle(req)) + "\n").encode())
+        out.flush()
+
+
+if __name__ == "__main__":
+    sys.modules.setdefault("_grpokit_mathcore", sys.modules["__main__"])
+    serve()

@@ -1,0 +1,485 @@
+"""Sandbox launcher and test harness for `grpokit.rewards.code`.
+
+This file runs as its own process (`python -I -S _sandbox_launcher.py`, configuration as JSON on
+stdin) and must only import the standard library: it is executed by path, never through the
+`grpokit` package, so that nothing the trainer imported leaks in. The parent side lives in
+`_sandbox.py`; the threat model is in docs/rewards.md ("Sandbox threat model").
+
+Process tree (the names are the ones used in the docs):
+
+    trainer ── launcher (new session; trusted, never runs untrusted code)
+                 └── child (pid 1 of a new pid namespace when available) = harness + program
+
+The launcher enters the namespaces, prepares the mounts, forks the child, waits for it, then
+cleans up. The child sets its limits, drops privileges and runs the harness, which executes the
+untrusted program and the tests in one interpreter and streams one JSON line per event to the
+result pipe (`result_fd`). Nothing the harness reports is trusted blindly: the parent counts the
+tests itself and only accepts per-test events for indices it knows.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import ctypes
+import io
+import json
+import os
+import resource
+import signal
+import sys
+
+EXIT_SETUP = 3  # the launcher failed before the program could start
+EXIT_HARNESS = 4  # the harness itself failed (not the program)
+
+# clone(2) / mount(2) / prctl(2) constants (Linux UAPI; identical on all architectures).
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MS_NOATIME, MS_NODIRATIME, MS_RELATIME, MS_STRICTATIME = 1024, 2048, 1 << 21, 1 << 24
+SYS_MOUNT_SETATTR = 442  # same number on every architecture (syscalls added after 5.1 are unified)
+AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = -100, 0x8000, 0x1
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+SANDBOX_DIR = "/tmp"  # the sandbox's working directory when a mount namespace is available
+SANDBOX_UID_BASE = 2_000_000_000  # + the launcher's pid (unique while it runs; pid_max <= 2**22)
+
+
+# --------------------------------------------------------------------------- test parsing
+# Shared with the parent (imported as grpokit.rewards._sandbox_launcher) so that both sides
+# agree on what a "test" is; the parent's count is the one that is trusted.
+
+
+def split_tests(tests: str) -> list[tuple[bool, ast.stmt]]:
+    """Top-level statements of an assert-style test script, each flagged `is_test`.
+
+    A test is a top-level `assert` or a top-level call expression (e.g. HumanEval's
+    `check(candidate)`); every other statement (imports, helper definitions, assignments) is setup.
+    Raises SyntaxError/ValueError for a script that does not parse.
+    """
+    tree = ast.parse(tests, "<tests>", "exec")
+    return [
+        (isinstance(s, ast.Assert) or (isinstance(s, ast.Expr) and isinstance(s.value, ast.Call)), s)
+        for s in tree.body
+    ]
+
+
+def parse_io_tests(tests) -> list[tuple[str, str]] | None:
+    """stdin/stdout cases from `[{"input","output"}, ...]`, `{"inputs":[...],"outputs":[...]}`
+    or the same as a JSON string; None when `tests` is not in one of these forms."""
+    if isinstance(tests, str):
+        s = tests.lstrip()
+        if not s.startswith(("[", "{")):
+            return None
+        try:
+            tests = json.loads(s)
+        except ValueError:
+            return None
+    if isinstance(tests, dict) and "inputs" in tests and "outputs" in tests:
+        ins, outs = tests["inputs"], tests["outputs"]
+        if isinstance(ins, list) and isinstance(outs, list) and len(ins) == len(outs):
+            return [(str(i), str(o)) for i, o in zip(ins, outs)]
+        return None
+    if isinstance(tests, list) and all(isinstance(c, dict) and "input" in c and "output" in c for c in tests):
+        return [(str(c["input"]), str(c["output"])) for c in tests]
+    return None
+
+
+# --------------------------------------------------------------------------- namespaces
+
+
+def _libc():
+    lib = ctypes.CDLL(None, use_errno=True)
+    lib.syscall.restype = ctypes.c_long
+    return lib
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mount(libc, src, target, fstype, flags, data=None) -> None:
+    enc = lambda s: None if s is None else s.encode()  # noqa: E731
+    _check(libc.mount(enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {target}")
+
+
+def _exposures(paths: list[str]) -> dict[str, list[str]]:
+    """For a sandbox uid: the top-most directory on the way to each needed path that "others"
+    cannot traverse (e.g. /root, mode 700, holding a pyenv Python), mapped to the needed paths
+    below it. Each such directory is hidden under a tmpfs and only the needed paths are
+    bind-mounted back, so the interpreter stays usable and the rest stays invisible."""
+    needed = sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)})
+    needed = [p for p in needed if not any(p != q and p.startswith(q + "/") for q in needed)]
+    out: dict[str, list[str]] = {}
+    for p in needed:
+        parts = p.strip("/").split("/")
+        for k in range(1, len(parts)):
+            anc = "/" + "/".join(parts[:k])
+            if not os.stat(anc).st_mode & 0o001:
+                out.setdefault(anc, []).append(p)
+                break
+    return out
+
+
+def _setup_namespaces(cfg: dict) -> None:
+    lay = cfg["layers"]
+    flags = 0
+    if lay["userns"]:
+        flags |= CLONE_NEWUSER
+    if lay["mountns"]:
+        flags |= CLONE_NEWNS
+    if lay["pidns"]:
+        flags |= CLONE_NEWPID
+    if lay["netns"]:
+        flags |= CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
+    if not flags:
+        return
+    libc = _libc()
+    uid, gid = os.getuid(), os.getgid()
+    _check(libc.unshare(ctypes.c_int(flags)), "unshare")
+    if lay["userns"]:  # map ourselves to root of the new user namespace (only this one id)
+        for path, text in (("/proc/self/setgroups", "deny"), ("/proc/self/uid_map", f"0 {uid} 1"),
+                           ("/proc/self/gid_map", f"0 {gid} 1")):
+            with open(path, "w") as f:
+                f.write(text)
+    if not lay["mountns"]:
+        return
+    _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)  # nothing we do propagates to the host
+    if lay["uid"] is not None:
+        for anc, subs in _exposures(cfg["expose"]).items():
+            fds = [os.open(s, os.O_PATH | os.O_DIRECTORY) for s in subs]
+            _mount(libc, "tmpfs", anc, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
+            for s, fd in zip(subs, fds):
+                os.makedirs(s, 0o755, exist_ok=True)
+                _mount(libc, f"/proc/self/fd/{fd}", s, None, MS_BIND | MS_REC)
+                os.close(fd)
+    _make_readonly(libc)
+    owner = 0 if lay["uid"] is None else lay["uid"]
+    _mount(libc, "tmpfs", SANDBOX_DIR, "tmpfs", MS_NOSUID | MS_NODEV,
+           f"size={cfg['disk_mb']}m,nr_inodes=4096,mode=0700,uid={owner},gid={owner}")
+
+
+def _make_readonly(libc) -> None:
+    """Every mount read-only: one recursive mount_setattr (Linux >= 5.12), else remount each
+    mount point, keeping the flags the kernel locks in a user namespace."""
+
+    class MountAttr(ctypes.Structure):
+        _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                    ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+    attr = MountAttr(MOUNT_ATTR_RDONLY, 0, 0, 0)
+    ret = libc.syscall(ctypes.c_long(SYS_MOUNT_SETATTR), ctypes.c_int(AT_FDCWD), b"/",
+                       ctypes.c_uint(AT_RECURSIVE), ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)))
+    if ret == 0:
+        return
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4].encode().decode("unicode_escape") for line in f]
+    keep = {os.ST_NOSUID: MS_NOSUID, os.ST_NODEV: MS_NODEV, os.ST_NOEXEC: MS_NOEXEC,
+            os.ST_NOATIME: MS_NOATIME, os.ST_NODIRATIME: MS_NODIRATIME, os.ST_RELATIME: MS_RELATIME}
+    failed = []
+    for mp in points:
+        try:
+            fl = os.statvfs(mp).f_flag
+            extra = sum(v for k, v in keep.items() if fl & k)
+            _mount(libc, None, mp, None, MS_REMOUNT | MS_BIND | MS_RDONLY | extra)
+        except OSError:
+            failed.append(mp)
+    if "/" in failed:
+        raise OSError(1, "cannot make / read-only")
+
+
+# --------------------------------------------------------------------------- child side
+
+
+def _set_limits(cfg: dict) -> None:
+    cpu = int(cfg["timeout_s"]) + 2
+    mem = int(cfg["memory_mb"]) * 2**20
+    for res, val in ((resource.RLIMIT_CPU, (cpu, cpu + 1)), (resource.RLIMIT_AS, (mem, mem)),
+                     (resource.RLIMIT_FSIZE, (cfg["file_mb"] * 2**20,) * 2),
+                     (resource.RLIMIT_NOFILE, (64, 64)), (resource.RLIMIT_NPROC, (cfg["nproc"],) * 2),
+                     (resource.RLIMIT_CORE, (0, 0))):
+        resource.setrlimit(res, val)
+
+
+def _child(cfg: dict, go_r: int) -> None:
+    lay = cfg["layers"]
+    libc = _libc()
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # launcher gone => we are gone
+    if os.read(go_r, 1) != b"g":  # wait until the launcher has reported our pid
+        os._exit(EXIT_SETUP)  # the launcher died first
+    os.close(go_r)
+    if lay["pidns"] and lay["mountns"]:  # a /proc that shows only the sandbox's processes
+        _mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    os.chdir(cfg["workdir"])
+    os.umask(0o077)
+    _set_limits(cfg)
+    _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    if lay["uid"] is not None:
+        os.setgroups([])
+        os.setgid(lay["uid"])
+        os.setuid(lay["uid"])
+    _Harness(cfg).run()
+
+
+def _reap_uid(uid: int) -> None:
+    """Kill every process of the sandbox uid (used when there is no pid namespace)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            for _ in range(3):
+                os.kill(-1, signal.SIGKILL)  # all processes this uid may signal, except us
+        except OSError:
+            pass
+        os._exit(0)
+    os.waitpid(pid, 0)
+
+
+def _reap_marker(token: str) -> None:
+    """Best effort without pid namespace or uid: kill processes whose environment carries the
+    sandbox token (a process that re-executes with a clean environment escapes this)."""
+    me = os.getpid()
+    needle = f"GRPOKIT_SANDBOX={token}".encode()
+    for _ in range(3):
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or int(name) == me:
+                continue
+            try:
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        os.kill(int(name), signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def main() -> None:
+    cfg = json.loads(sys.stdin.buffer.read())
+    fd = os.open("/dev/null", os.O_RDONLY)
+    os.dup2(fd, 0)
+    os.close(fd)
+    rfd = cfg["result_fd"]
+    emit = lambda obj: os.write(rfd, (json.dumps(obj) + "\n").encode())  # noqa: E731
+    lay = cfg["layers"]
+    lay["uid"] = SANDBOX_UID_BASE + os.getpid() if lay["uid"] else None
+    try:
+        if lay["uid"] is not None and not lay["mountns"]:
+            os.chown(cfg["workdir"], lay["uid"], lay["uid"])
+        _setup_namespaces(cfg)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which falls back
+        emit({"ev": "setup_error", "msg": f"{type(e).__name__}: {e}"})
+        os._exit(EXIT_SETUP)
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = EXIT_HARNESS
+        try:
+            os.close(go_w)
+            _child(cfg, go_r)
+            code = 0
+        except BaseException as e:  # noqa: BLE001
+            try:
+                emit({"ev": "harness_error", "msg": f"{type(e).__name__}: {e}"[:500]})
+            except BaseException:  # noqa: BLE001
+                pass
+        for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+            try:
+                stream.flush()
+            except BaseException:  # noqa: BLE001 - replaced or closed by the program
+                pass
+        os._exit(code)
+    os.close(go_r)
+    # SIGTERM from the parent means "time is up": kill the child (pid 1 of the namespace takes
+    # every process in it along), then fall through to the cleanup below.
+    reaped = []
+    signal.signal(signal.SIGTERM, lambda *_: reaped or os.kill(pid, signal.SIGKILL))
+    emit({"ev": "pid", "pid": pid})
+    os.close(rfd)
+    os.write(go_w, b"g")
+    os.close(go_w)
+    _, status = os.waitpid(pid, 0)
+    reaped.append(True)
+    if not lay["pidns"]:
+        if lay["uid"] is not None:
+            _reap_uid(lay["uid"])
+        else:
+            _reap_marker(cfg["token"])
+    code = os.waitstatus_to_exitcode(status)
+    os._exit(code if code >= 0 else 128 - code)
+
+
+# --------------------------------------------------------------------------- harness
+
+
+class _CappedOut(io.StringIO):
+    """stdout for stdin/stdout tests: a program that floods it gets an OSError, not our memory."""
+
+    def __init__(self, cap: int):
+        super().__init__()
+        self._left = cap
+
+    def write(self, s):
+        self._left -= len(s)
+        if self._left < 0:
+            raise OSError("output limit exceeded")
+        return super().write(s)
+
+
+_TRUSTED_DIRS: tuple[str, ...] = ()  # the interpreter's own library dirs, set before the program runs
+
+
+def _own_eq(obj, budget: list) -> bool:
+    """True if `obj` (or an element inside it) brings its own __eq__/__ne__: one defined in
+    Python by a class whose code does not come from a file of the interpreter's libraries
+    (stdlib `Fraction` is fine; a class written or patched by the program is not)."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        return False
+    for cls in type(obj).__mro__:
+        if not cls.__flags__ & (1 << 9):  # not Py_TPFLAGS_HEAPTYPE: a C type, trusted
+            continue
+        for name in ("__eq__", "__ne__"):
+            fn = cls.__dict__.get(name)
+            if fn is None:
+                continue
+            path = getattr(getattr(fn, "__code__", None), "co_filename", "")
+            if not (path.startswith(_TRUSTED_DIRS) and os.path.isfile(path)):
+                return True
+    if type(obj) in (list, tuple, set, frozenset):
+        return any(_own_eq(x, budget) for x in obj)
+    if type(obj) is dict:
+        return any(_own_eq(k, budget) or _own_eq(v, budget) for k, v in obj.items())
+    return False
+
+
+def _guarded_compare(left, right, op: str) -> bool:
+    """`assert left == right` with the classic reward hack closed: when the expected side is a
+    plain value, the program's side may not bring its own equality ("always equal" objects)."""
+    if not _own_eq(right, [10_000]) and _own_eq(left, [10_000]):
+        return False
+    return (left == right) if op == "eq" else (left != right)
+
+
+class _GuardEq(ast.NodeTransformer):
+    def visit_Assert(self, node):
+        t = node.test
+        if isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], (ast.Eq, ast.NotEq)):
+            op = "eq" if isinstance(t.ops[0], ast.Eq) else "ne"
+            call = ast.Call(ast.Name("__grpokit_cmp__", ast.Load()), [t.left, t.comparators[0], ast.Constant(op)], [])
+            node.test = ast.copy_location(call, t)
+        return node
+
+
+def _same_output(got: str, want: str) -> bool:
+    a, b = got.split(), want.split()
+    if a == b:
+        return True
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x == y:
+            continue
+        try:
+            fx, fy = float(x), float(y)
+        except ValueError:
+            return False
+        if abs(fx - fy) > 1e-6 * max(1.0, abs(fy)):
+            return False
+    return True
+
+
+class _Harness:
+    def __init__(self, cfg: dict):
+        self.cfg = cfg
+        self.rfd = cfg["result_fd"]
+        self._write, self._dumps = os.write, json.dumps  # bound before the program runs
+
+    def emit(self, **obj) -> None:
+        self._write(self.rfd, (self._dumps(obj) + "\n").encode())
+
+    def run(self) -> None:
+        global _TRUSTED_DIRS
+        cfg = self.cfg
+        if cfg["site"]:
+            import site
+
+            site.main()
+        import sysconfig
+
+        dirs = {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+        _TRUSTED_DIRS = tuple(os.path.realpath(d) + "/" for d in dirs if d) + tuple(d + "/" for d in dirs if d)
+        try:
+            code = compile(cfg["program"], "<program>", "exec")
+        except BaseException as e:  # noqa: BLE001 - SyntaxError, ValueError (NUL bytes), MemoryError
+            self.emit(ev="done", status="crashed", msg=f"program does not compile: {type(e).__name__}: {e}"[:500])
+            return
+        if cfg["mode"] == "io":
+            self._run_io(code, parse_io_tests(cfg["tests"]))
+        else:
+            self._run_asserts(code, split_tests(cfg["tests"]))
+
+    def _run_asserts(self, code, units) -> None:
+        ns = {"__name__": "__solution__", "__builtins__": builtins}
+        sys.stdin = io.StringIO("")
+        self.emit(ev="start")
+        try:
+            exec(code, ns)  # noqa: S102 - untrusted by design; this whole process is the sandbox
+        except MemoryError:
+            self.emit(ev="done", status="memory", msg="MemoryError while running the program")
+            return
+        except BaseException as e:  # noqa: BLE001 - incl. SystemExit: the tests never ran
+            self.emit(ev="done", status="crashed", msg=f"program raised {type(e).__name__}: {e}"[:500])
+            return
+        ns["__grpokit_cmp__"] = _guarded_compare
+        status, i = "ok", 0
+        for is_test, stmt in units:
+            mod = ast.fix_missing_locations(ast.Module([_GuardEq().visit(stmt)], []))
+            ok = True
+            try:
+                exec(compile(mod, "<tests>", "exec"), ns)  # noqa: S102
+            except MemoryError:
+                ok, status = False, "memory"
+            except BaseException:  # noqa: BLE001 - a failing test, whatever it raised
+                ok = False
+            if is_test:
+                self.emit(ev="test", i=i, ok=ok)
+                i += 1
+                if not ok and status == "ok":
+                    status = "failed"
+        self.emit(ev="done", status=status)
+
+    def _run_io(self, code, cases) -> None:
+        cap = self.cfg["output_cap"]
+        real_out = sys.stdout
+        self.emit(ev="start")
+        status = "ok"
+        for i, (inp, want) in enumerate(cases):
+            sys.stdin, out = io.StringIO(inp), _CappedOut(cap)
+            sys.stdout = out
+            ns = {"__name__": "__main__", "__builtins__": builtins}
+            try:
+                exec(code, ns)  # noqa: S102
+                ok = True
+            except SystemExit as e:
+                ok = e.code in (None, 0)
+            except MemoryError:
+                ok, status = False, "memory"
+            except BaseException:  # noqa: BLE001
+                ok = False
+            finally:
+                sys.stdout = real_out
+            ok = ok and _same_output(out.getvalue(), want)
+            self.emit(ev="test", i=i, ok=ok)
+            if not ok and status == "ok":
+                status = "failed"
+        self.emit(ev="done", status=status)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""A small pool of long-lived checker processes with a hard per-call time limit.
+
+Why processes: sympy (under math-verify) can spend unbounded time inside C code (big-integer
+powers), where neither signals nor threads can stop it, and it is not thread-safe with
+math-verify's SIGALRM timeouts. A worker that overruns is killed (SIGKILL to its session) and a
+replacement is started at once, so its import cost overlaps with the next call.
+
+Nothing starts at import: the first call starts the workers (about half a second each).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+STARTUP_TIMEOUT_S = 60.0
+
+
+class WorkerError(RuntimeError):
+    """The checker process could not be started or died on its own (not a timeout)."""
+
+
+class _Worker:
+    def __init__(self, script: str):
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, start_new_session=True, env=env, cwd="/",
+        )
+        self.buf = b""
+        self.ready = False
+        self.next_id = 0
+
+    def _readline(self, deadline: float) -> bytes | None:
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            r, _, _ = select.select([fd], [], [], left)
+            if r:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    raise WorkerError("checker process exited")
+                self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return line
+
+    def call(self, req: dict, timeout_s: float) -> dict | None:
+        """The reply, or None when `timeout_s` passed (the caller then kills this worker)."""
+        if not self.ready:
+            line = self._readline(time.monotonic() + STARTUP_TIMEOUT_S)
+            if line != b"ready":
+                raise WorkerError("checker process did not start")
+            self.ready = True
+        self.next_id += 1
+        req = dict(req, id=self.next_id)
+        try:
+            self.proc.stdin.write((json.dumps(req) + "\n").encode())
+            self.proc.stdin.flush()
+        except OSError as e:
+            raise WorkerError(f"checker process is gone: {e}") from None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            line = self._readline(deadline)
+            if line is None:
+                return None
+            try:
+                rep = json.loads(line)
+            except ValueError:
+                continue
+            if rep.get("id") == self.next_id:
+                return rep
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+        self.proc.wait()
+
+
+class WorkerPool:
+    """At most `size` workers; `call` blocks until one is free (every holder has a deadline)."""
+
+    def __init__(self, script: str, size: int):
+        self.script, self.size = script, max(1, size)
+        self._reset()
+        atexit.register(self.close)
+
+    def _reset(self) -> None:
+        self.pid = os.getpid()
+        self.idle: list[_Worker] = []
+        self.count = 0
+        self.cv = threading.Condition()
+
+    def _acquire(self) -> _Worker:
+        if os.getpid() != self.pid:  # forked: the parent's workers are not ours
+            self._reset()
+        with self.cv:
+            while not self.idle and self.count >= self.size:
+                self.cv.wait()
+            if self.idle:
+                return self.idle.pop()
+            self.count += 1
+        try:
+            return _Worker(self.script)
+        except OSError as e:
+            with self.cv:
+                self.count -= 1
+                self.cv.notify()
+            raise WorkerError(f"cannot start checker process: {e}") from None
+
+    def _release(self, w: _Worker, healthy: bool) -> None:
+        if not healthy:
+            w.kill()
+            try:
+                w = _Worker(self.script)  # replacement starts importing right away
+            except OSError:
+                w = None
+        with self.cv:
+            if w is None:
+                self.count -= 1
+            else:
+                self.idle.append(w)
+            self.cv.notify()
+
+    def call(self, req: dict, timeout_s: float) -> dict | None:
+        """Reply dict, or None on timeout. Raises WorkerError when no worker can answer."""
+        w = self._acquire()
+        healthy = False
+        try:
+            rep = w.call(req, timeout_s)
+            healthy = rep is not None
+            return rep
+        finally:
+            self._release(w, healthy)
+
+    def close(self) -> None:
+        if os.getpid() != self.pid:
+            return
+        with self.cv:
+            idle, self.idle = self.idle, []
+        for w in idle:
+            w.kill()

@@ -1,0 +1,113 @@
+"""Code correctness: run the completion's last fenced Python block against unit tests in a sandbox.
+
+    code_tests = passed / total            (all_or_nothing=True: 1.0 only if every test passed)
+
+Tests come from a dataset column (`tests` by default) in one of two forms:
+- an assert script: every top-level `assert` (or top-level call such as `check(f)`) is one test,
+  run in order in the program's namespace after the program (`__name__` is not "__main__");
+- stdin/stdout cases: `[{"input": ..., "output": ...}, ...]` or `{"inputs": [...], "outputs": [...]}`
+  (or that as JSON text); the program runs once per case as `__main__`, whitespace-insensitive
+  comparison, numbers within 1e-6.
+
+Scores: no code block -> 0.0; a program that does not compile, crashes, times out or exceeds its
+memory -> the fraction it passed before (usually 0.0); tests that do not parse, or a sandbox that
+fails to start -> None (not the model's fault).
+
+The sandbox (`_sandbox.py`, `_sandbox_launcher.py`, threat model in docs/rewards.md) runs each
+program in a fresh process tree with limits, namespaces where the machine allows, and a hard
+wall-clock kill; `run_tests_batch` runs many at once, bounded by the number of cores.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+from ._sandbox import CodeResult, Isolation, isolation, run_job, set_isolation  # noqa: F401
+from .registry import register
+
+_FENCE = re.compile(r"^[ \t]*```[ \t]*([A-Za-z0-9_+-]*)[^\n`]*\n(.*?)^[ \t]*```[ \t]*$", re.M | re.S)
+_PYTHON = {"python", "py", "python3", "py3"}
+
+
+def extract_code(completion: str) -> str | None:
+    """The last fenced block tagged python (``` python / py / python3), else the last untagged
+    fenced block; None if there is none. An unclosed fence (truncated completion) is ignored."""
+    if not isinstance(completion, str):
+        return None
+    tagged, untagged = None, None
+    for m in _FENCE.finditer(completion):
+        lang = m.group(1).lower()
+        if lang in _PYTHON:
+            tagged = m.group(2)
+        elif not lang:
+            untagged = m.group(2)
+    code = tagged if tagged is not None else untagged
+    return code if code is not None and code.strip() else None
+
+
+def run_tests(program: str, tests, *, timeout_s: float = 5.0, memory_mb: int = 512, nproc: int = 32,
+              file_mb: int = 16, disk_mb: int = 64, output_cap: int = 16384) -> CodeResult:
+    """Run `program` against `tests` in a fresh sandbox and report what passed.
+
+    timeout_s: wall-clock limit of the program + tests (CPU limit is timeout_s + 2 s).
+    memory_mb: address-space limit. nproc: process limit. file_mb: largest file it may write.
+    disk_mb: size of its private /tmp (mount namespace only). output_cap: bytes kept of
+    stdout/stderr each. Never raises for anything the program does.
+    """
+    return run_job(program, tests, timeout_s=timeout_s, memory_mb=memory_mb, nproc=nproc,
+                   file_mb=file_mb, disk_mb=disk_mb, output_cap=output_cap)
+
+
+def default_parallelism() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def run_tests_batch(programs: list[str], tests: list, *, max_workers: int | None = None,
+                    **kwargs) -> list[CodeResult]:
+    """`run_tests` over aligned lists, at most `max_workers` (default: the number of cores) at
+    once. Identical (program, tests) pairs run once. Returns results in input order."""
+    if len(programs) != len(tests):
+        raise ValueError(f"{len(programs)} programs but {len(tests)} test sets")
+    key = lambda i: (programs[i], tests[i] if isinstance(tests[i], str) else repr(tests[i]))  # noqa: E731
+    first: dict = {}
+    for i in range(len(programs)):
+        first.setdefault(key(i), i)
+    unique = sorted(set(first.values()))
+    run = lambda i: run_tests(programs[i], tests[i], **kwargs)  # noqa: E731
+    workers = max(1, min(max_workers or default_parallelism(), len(unique) or 1))
+    if workers == 1:
+        done = {i: run(i) for i in unique}
+    else:
+        with ThreadPoolExecutor(max_workers=workers) as ex:
+            done = dict(zip(unique, ex.map(run, unique)))
+    return [done[first[key(i)]] for i in range(len(programs))]
+
+
+@register("code_tests")
+def code_tests(prompts, completions, *, tests_column: str = "tests", all_or_nothing: bool = False,
+               timeout_s: float = 5.0, memory_mb: int = 512, max_workers: int | None = None,
+               **columns) -> list[float | None]:
+    """Fraction of the tests the completion's program passes (see the module docstring)."""
+    if tests_column not in columns:
+        raise KeyError(f"code_tests needs the dataset column {tests_column!r} (have: {sorted(columns)})")
+    tests = list(columns[tests_column])
+    if len(tests) != len(completions):
+        raise ValueError(f"code_tests: column {tests_column!r} has {len(tests)} entries for {len(completions)} completions")
+    programs = [extract_code(c) for c in completions]
+    todo = [i for i, (p, t) in enumerate(zip(programs, tests)) if p is not None and t is not None]
+    results = run_tests_batch([programs[i] for i in todo], [tests[i] for i in todo], max_workers=max_workers,
+                              timeout_s=timeout_s, memory_mb=memory_mb)
+    scores: list[float | None] = [None if t is None else 0.0 for t in tests]
+    for i, res in zip(todo, results):
+        if res.status == "error" or res.total == 0:
+            scores[i] = None
+        elif all_or_nothing:
+            scores[i] = 1.0 if res.status == "ok" else 0.0
+        else:
+            scores[i] = res.passed / res.total
+    return scores

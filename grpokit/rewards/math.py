@@ -1,0 +1,167 @@
+"""Math correctness: is the final answer of a completion equivalent to the reference?
+
+    math_accuracy = 1.0 if verify(completion, answer) else 0.0     (None: no reference / checker down)
+
+Extraction (`_mathcore.extract_answer`): the boxed answers (`\\boxed{}`/`\\fbox{}`, nested braces),
+else the last explicit "answer is ..." / "Answer: ..." / "#### ...", else the last number of the
+final line. A hedge is wrong: several different boxed answers, or a candidate list ("3 or 4") in
+the final statement, unless the reference itself is a collection (then "or" reads as a list).
+
+Equivalence is math-verify's (sympy underneath) after a light normalisation it lacks (unicode
+symbols, LaTeX thousands separators, "degrees"); an identical answer never leaves this process.
+Every other comparison runs in a checker process with a hard time limit (default 2 s for the
+whole completion), so `10^{10^{10^{10}}}` costs 2 s and returns False; a timeout scores 0, never
+None, so a model cannot escape a bad score by producing pathological answers.
+
+`math_accuracy_alt` is the independent cross-checker (own extraction, sympy-only equivalence,
+`_mathalt.py`), meant for `CrossCheck`, not for training on.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from . import _mathalt as alt
+from . import _mathcore as core
+from ._mathcore import Extraction, extract_answer  # noqa: F401 - public helpers
+from ._workers import WorkerError, WorkerPool
+from .registry import register
+
+DEFAULT_TIMEOUT_S = 2.0
+
+_pool: list[WorkerPool] = []
+_pool_lock = threading.Lock()
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _workers() -> WorkerPool:
+    with _pool_lock:
+        if not _pool:
+            _pool.append(WorkerPool(os.path.abspath(core.__file__), size=min(4, _cores())))
+        return _pool[0]
+
+
+def _check(op: str, pred: str, ref: str, deadline: float) -> bool | None:
+    """Equivalence in a worker. False on timeout; None if no worker could answer."""
+    left = deadline - time.monotonic()
+    if left <= 0.05:
+        return False
+    try:
+        rep = _workers().call({"op": op, "pred": pred, "ref": ref, "budget": left * 0.7}, left)
+    except WorkerError:
+        return None
+    return False if rep is None else bool(rep.get("ok"))
+
+
+_TEXT_WORD = re.compile(r"\\(?:text|mathrm|textbf)\s*\{\s*(or|and|and/or)\s*\}")
+_DISJ = re.compile(r"\bor\b|\\lor\b|\\vee\b|\beither\b")
+
+
+def _is_collection(ref: str) -> bool:
+    s = core.squash(ref)
+    return bool(re.search(r",(?!\d{3}(?!\d))", s) or "\\pm" in s or "\\cup" in s or _DISJ.search(ref))
+
+
+def judge(completion: str, reference, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool | None:
+    """True / False; None when the sample cannot be scored (no reference, checker unavailable).
+    Never raises; returns within about `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        if reference is None:
+            return None
+        ref = core.normalize(core.reference_answer(reference))
+        if not ref or len(ref) > core.MAX_ANSWER_CHARS:
+            return None
+        ex = extract_answer(completion if isinstance(completion, str) else str(completion))
+        answers = [core.normalize(a) for a in ex.answers]
+        answers = [a for a in answers if a]
+        if not answers or any(len(a) > core.MAX_ANSWER_CHARS for a in answers):
+            return False
+        distinct = list({core.squash(a): a for a in answers}.values())
+        if len(distinct) > core.MAX_BOXED:
+            return False
+        for ans in distinct:  # several boxed answers: each must be right (then they agree)
+            ans = _TEXT_WORD.sub(r" \1 ", ans)
+            if ex.hedged or _DISJ.search(ans):
+                if not _is_collection(ref) or ex.source == "last_number":
+                    return False
+                ans = _DISJ.sub(",", ans)
+            if core.squash(ans) == core.squash(ref):
+                continue
+            ok = _check("verify", ans, ref, deadline)
+            if not ok:
+                return ok
+        return True
+    except Exception:  # noqa: BLE001 - the contract is "never raises"; an unreadable input is wrong
+        return False
+
+
+def verify(completion: str, reference: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+    """Is the final answer of `completion` equivalent to `reference`? Never raises; hard time
+    limit `timeout_s` (False when exceeded)."""
+    return judge(completion, reference, timeout_s=timeout_s) is True
+
+
+def judge_alt(completion: str, reference, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool | None:
+    """The independent path: last box / answer line / last number, then sympy-only equivalence."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        if reference is None:
+            return None
+        ref = alt.reference_alt(reference)
+        if not ref:
+            return None
+        pred = alt.extract_alt(completion if isinstance(completion, str) else str(completion))
+        if not pred or len(pred) > core.MAX_ANSWER_CHARS or len(ref) > core.MAX_ANSWER_CHARS:
+            return False
+        if pred.replace(" ", "") == ref.replace(" ", ""):
+            return True
+        return _check("alt", pred, ref, deadline)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _batch(fn, completions, refs, timeout_s) -> list[float | None]:
+    items = list(zip(completions, refs))
+    work = lambda cr: fn(cr[0], cr[1], timeout_s=timeout_s)  # noqa: E731
+    if len(items) <= 1:
+        res = [work(it) for it in items]
+    else:
+        with ThreadPoolExecutor(max_workers=min(len(items), _workers().size)) as ex:
+            res = list(ex.map(work, items))
+    return [None if r is None else float(r) for r in res]
+
+
+def _refs(name: str, column: str, columns: dict, n: int) -> list:
+    if column not in columns:
+        raise KeyError(f"{name} needs the dataset column {column!r} (have: {sorted(columns)})")
+    refs = list(columns[column])
+    if len(refs) != n:
+        raise ValueError(f"{name}: column {column!r} has {len(refs)} entries for {n} completions")
+    return refs
+
+
+@register("math_accuracy")
+def math_accuracy(prompts, completions, *, answer_column: str = "answer",
+                  timeout_s: float = DEFAULT_TIMEOUT_S, **columns) -> list[float | None]:
+    """1.0 if the completion's final answer is equivalent to the reference, else 0.0."""
+    refs = _refs("math_accuracy", answer_column, columns, len(completions))
+    return _batch(judge, completions, refs, timeout_s)
+
+
+@register("math_accuracy_alt")
+def math_accuracy_alt(prompts, completions, *, answer_column: str = "answer",
+                      timeout_s: float = DEFAULT_TIMEOUT_S, **columns) -> list[float | None]:
+    """Independent second checker for `CrossCheck` (see the module docstring)."""
+    refs = _refs("math_accuracy_alt", answer_column, columns, len(completions))
+    return _batch(judge_alt, completions, refs, timeout_s)

@@ -1,0 +1,46 @@
+"""The reward registry: one uniform signature, looked up by name from config.
+
+A reward is a plain function
+
+    fn(prompts: list[str], completions: list[str], **columns) -> list[float | None]
+
+returning one score per completion (None = this sample cannot be scored, e.g. no reference).
+`columns` holds every dataset column of the prompt plus `completion_length`, `finish_reason`,
+`group_id` and `max_new_tokens`, each a list aligned with `completions`; config `args` arrive as
+extra keyword arguments. Every reward must accept and ignore columns it does not use.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Callable, Protocol
+
+
+class RewardFn(Protocol):
+    def __call__(self, prompts: list[str], completions: list[str], **columns) -> list[float | None]: ...
+
+
+REGISTRY: dict[str, Callable[..., list]] = {}
+
+
+def register(name: str):
+    """Decorator: `@register("math_accuracy")` makes the function selectable from config."""
+
+    def deco(fn):
+        if name in REGISTRY and REGISTRY[name] is not fn:
+            raise ValueError(f"reward {name!r} is already registered (by {REGISTRY[name].__module__})")
+        REGISTRY[name] = fn
+        fn.reward_name = name
+        return fn
+
+    return deco
+
+
+def get(name: str) -> Callable[..., list]:
+    """The registered reward `name`; ValueError naming it and the closest registered name."""
+    try:
+        return REGISTRY[name]
+    except (KeyError, TypeError):
+        close = difflib.get_close_matches(str(name), list(REGISTRY), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown reward {name!r}{hint} (registered: {', '.join(sorted(REGISTRY))})") from None

@@ -1,0 +1,118 @@
+"""The rollout contract: what an engine returns, and how the next token is drawn.
+
+Any engine (the in-process transformers one here; vLLM or Ray workers later) implements
+`RolloutEngine.generate` and hands back a `RolloutBatch`; the trainer needs nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    """Completions per prompt (G)."""
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    """0 means greedy (argmax)."""
+    top_p: float = 1.0
+    top_k: int = 0
+    resample_threshold: float | None = None
+    """Over-confidence resampling: see `sample_next`."""
+
+
+@dataclass
+class RolloutBatch:
+    """N = num_prompts * n completions, group after group (the n samples of prompt 0 first)."""
+
+    prompt_ids: list[list[int]]          # [N] prompt token ids (unpadded), repeated per sample
+    completion_ids: torch.Tensor         # [N, L] right-padded with pad_id
+    completion_mask: torch.Tensor        # [N, L] 1 for generated tokens (EOS included)
+    sampler_logprobs: torch.Tensor       # [N, L] log-prob of each token under the distribution sampled from
+    finish_reason: list[str]             # [N] "eos" or "length"
+    completions: list[str]               # [N] decoded text, special tokens removed
+    resampled: int = 0                   # positions where over-confidence resampling fired
+
+    @property
+    def lengths(self) -> torch.Tensor:   # [N]
+        return self.completion_mask.sum(-1)
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
+                 generator: torch.Generator | None = None) -> RolloutBatch: ...
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draw one token per row. logits: [B, V] (raw). Returns (tokens [B], logprobs [B], resampled [B]).
+
+    The log-prob is that of the distribution actually sampled from: after temperature, top-k and
+    top-p truncation, and, with `resample_threshold` (seed 3.2's over-confidence intervention), after
+    removing the over-confident token. When the top token's probability exceeds the threshold, that
+    row samples from the same distribution with the top token excluded and renormalised; its
+    recorded log-prob is log q(token) under that renormalised q, so an importance ratio built on it
+    stays correct.
+    """
+    logits = logits.float()
+    if params.temperature == 0:
+        tok = logits.argmax(-1)
+        logp = torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1)
+        return tok, logp, torch.zeros_like(tok, dtype=torch.bool)
+    logits = logits / params.temperature                                  # [B, V]
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
+        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
+        drop_sorted = (cum - torch.softmax(sorted_logits, -1)) >= params.top_p  # keep the token crossing p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    resampled = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    if params.resample_threshold is not None:
+        probs = torch.softmax(logits, -1)
+        top_p, top_i = probs.max(-1)
+        # only rows with another token left to choose from can be resampled
+        finite_count = torch.isfinite(logits).sum(-1)
+        resampled = (top_p > params.resample_threshold) & (finite_count > 1)
+        if resampled.any():
+            logits = logits.clone()
+            rows = resampled.nonzero().squeeze(-1)
+            logits[rows, top_i[rows]] = float("-inf")
+    logprobs_all = torch.log_softmax(logits, -1)
+    tok = torch.multinomial(logprobs_all.exp(), 1, generator=generator).squeeze(-1)
+    return tok, logprobs_all.gather(-1, tok[:, None]).squeeze(-1), resampled
+
+
+def select_rows(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
+    """The sub-batch of `rows` (in that order)."""
+    idx = torch.tensor(rows, dtype=torch.long)
+    L = max(int(batch.completion_mask[idx].sum(-1).max()), 1) if rows else 1
+    return RolloutBatch([batch.prompt_ids[r] for r in rows], batch.completion_ids[idx, :L],
+                        batch.completion_mask[idx, :L], batch.sampler_logprobs[idx, :L],
+                        [batch.finish_reason[r] for r in rows], [batch.completions[r] for r in rows],
+                        batch.resampled)
+
+
+def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
+    """Stack batches row-wise, right-padding completions to the longest."""
+    L = max(b.completion_ids.shape[1] for b in batches)
+
+    def pad(t: torch.Tensor, value) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, L - t.shape[1]), value=value)
+
+    return RolloutBatch(
+        [p for b in batches for p in b.prompt_ids],
+        torch.cat([pad(b.completion_ids, pad_id) for b in batches]),
+        torch.cat([pad(b.completion_mask, 0) for b in batches]),
+        torch.cat([pad(b.sampler_logprobs, 0.0) for b in batches]),
+        [f for b in batches for f in b.finish_reason], [c for b in batches for c in b.completions],
+        sum(b.resampled for b in batches))

@@ -1,0 +1,44 @@
+"""Training: model loading, the GRPO loop, checkpoints. `build_trainer(cfg)` turns a config into a
+ready `Trainer` (config is read here, at the edge; inner code receives explicit objects)."""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("grpokit.train")
+
+
+def build_health(cfg):
+    """The health monitor, with the thresholds that live elsewhere in the config filled in: the KL
+    controller's upper target for `kl_climbing`, the guard's tolerance for `ref_drift`."""
+    from grpokit.monitor.health import HealthConfig, HealthMonitor
+
+    h = cfg.health.model_dump()
+    set_by_user = cfg.health.model_fields_set
+    if cfg.algorithm.kl.beta > 0 and "kl_climbing" not in set_by_user:
+        h["kl_climbing"]["kl_high"] = cfg.algorithm.kl.target_high
+    if "ref_drift" not in set_by_user:
+        h["ref_drift"]["tolerance"] = cfg.guard.ref_tolerance
+    return HealthMonitor(HealthConfig(**h), cfg.train.run_dir, print_fn=log.warning)
+
+
+def build_trainer(cfg, *, model=None, tokenizer=None, health=True):
+    from grpokit.data.datasets import load_prompts
+    from grpokit.rewards import RewardSet
+    from grpokit.train.loop import Trainer
+    from grpokit.train.model import check_round_trip, load_model, load_tokenizer
+
+    m = cfg.model
+    if tokenizer is None:
+        tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)
+    if model is None:
+        model = load_model(m.path, dtype=m.dtype, device=m.device,
+                           gradient_checkpointing=m.gradient_checkpointing, trust_remote_code=m.trust_remote_code)
+    d = cfg.data
+    dataset = load_prompts(d.path, prompt_field=d.prompt_field, answer_field=d.answer_field)
+    eval_ds = load_prompts(d.eval_path, prompt_field=d.prompt_field, answer_field=d.answer_field) if d.eval_path else None
+    sample = [r["prompt"] for r in dataset.rows[:8] if isinstance(r["prompt"], str)]
+    check_round_trip(tokenizer, sample)
+    rewards = RewardSet.from_specs([s.model_dump() for s in cfg.rewards])
+    monitor = build_health(cfg) if health else None
+    return Trainer(cfg, model, tokenizer, dataset, rewards, eval_dataset=eval_ds, health=monitor)

@@ -1,0 +1,45 @@
+"""Held-out evaluation: greedy pass@1 and, optionally, sampled mean@k with the run's reward."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from grpokit.rollout.base import SamplingParams
+
+
+def _passes(values: list, threshold: float) -> list[bool]:
+    return [v is not None and math.isfinite(v) and v >= threshold for v in values]
+
+
+@torch.no_grad()
+def evaluate(engine, encoder, reward_set, dataset, cfg, *, samples: int = 0, generator=None,
+             batch_prompts: int = 64, threshold: float = 1.0) -> dict:
+    """`eval/pass@1`: fraction of prompts whose greedy completion scores >= threshold on the first
+    reward function; `eval/mean@k`: mean fraction over k sampled completions at the run's temperature.
+    """
+    rows = dataset.rows[: cfg.data.eval_size or None]
+    primary = cfg.rewards[0].name
+    out = {}
+    for k, temp in ((1, 0.0), (samples, cfg.rollout.temperature)):
+        if k == 0:
+            continue
+        hits: list[bool] = []
+        for s in range(0, len(rows), batch_prompts):
+            chunk = rows[s:s + batch_prompts]
+            ids = [encoder.encode(r["prompt"]) for r in chunk]
+            params = SamplingParams(n=k, max_new_tokens=cfg.rollout.max_new_tokens, temperature=temp,
+                                    top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+            batch = engine.generate(ids, params, generator)
+            keys = sorted({c for r in chunk for c in r if c != "prompt"})
+            cols = {c: [r.get(c) for r in chunk for _ in range(k)] for c in keys}
+            cols.update(completion_length=batch.lengths.tolist(), finish_reason=batch.finish_reason,
+                        group_id=[i // k for i in range(len(batch))],
+                        max_new_tokens=[cfg.rollout.max_new_tokens] * len(batch))
+            prompts = [encoder.text(r["prompt"]) for r in chunk for _ in range(k)]
+            res = reward_set.score(prompts, batch.completions, cols)
+            hits += _passes(res.per_fn[primary], threshold)
+        name = "eval/pass@1" if temp == 0.0 else "eval/mean@k"
+        out[name] = sum(hits) / max(len(hits), 1)
+    return out

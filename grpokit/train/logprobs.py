@@ -1,0 +1,122 @@
+"""Per-token log-probs (and entropy) of completions, without holding [B, T, V] logits at once.
+
+The backbone runs once over prompt + completion; the LM head is applied to the completion
+positions only, in chunks of tokens. When the logits of the whole micro-batch would exceed
+`logits_budget_bytes`, each chunk runs under activation checkpointing, so backward recomputes the
+chunk's logits instead of keeping them all alive (DESIGN: "log-probs without full-vocabulary logits").
+
+Micro-batches are built from sequences of similar length (`plan_micro_batches`) and trimmed to
+their own longest prompt and completion, so padding stays small.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+def unwrap(model):
+    """The transformers model under a PEFT wrapper (LoRA layers stay injected in its modules)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def backbone_and_head(model):
+    m = unwrap(model)
+    backbone = m.get_decoder() if hasattr(m, "get_decoder") else getattr(m, m.base_model_prefix)
+    head = m.get_output_embeddings()
+    if backbone is None or head is None:
+        raise ValueError(f"{type(m).__name__}: cannot find the decoder and LM head of this model")
+    softcap = getattr(m.config, "final_logit_softcapping", None)
+    return backbone, head, softcap
+
+
+@dataclass
+class MicroBatch:
+    rows: torch.Tensor            # [m] indices into the rollout batch
+    input_ids: torch.Tensor       # [m, P + L] left-padded prompt, right-padded completion
+    attention_mask: torch.Tensor  # [m, P + L]
+    prompt_len: int               # P: completion token j sits at column P + j
+    targets: torch.Tensor         # [m, L] completion ids
+    mask: torch.Tensor            # [m, L] 1 on real completion tokens
+
+
+def build_micro_batch(rows: list[int], prompt_ids: list[list[int]], completion_ids: torch.Tensor,
+                      completion_mask: torch.Tensor, pad_id: int) -> MicroBatch:
+    lens = completion_mask[rows].sum(-1)
+    L = max(int(lens.max()), 1)
+    P = max(len(prompt_ids[r]) for r in rows)
+    m = len(rows)
+    ids = torch.full((m, P + L), pad_id, dtype=torch.long)
+    att = torch.zeros((m, P + L), dtype=torch.long)
+    for k, r in enumerate(rows):
+        p = prompt_ids[r]
+        ids[k, P - len(p):P] = torch.tensor(p, dtype=torch.long)
+        att[k, P - len(p):P] = 1
+    ids[:, P:] = completion_ids[rows, :L]
+    att[:, P:] = completion_mask[rows, :L]
+    return MicroBatch(torch.tensor(rows), ids, att, P, completion_ids[rows, :L].clone(),
+                      completion_mask[rows, :L].clone())
+
+
+def plan_micro_batches(total_lengths: list[int], size: int) -> list[list[int]]:
+    """Cut row indices into micro-batches of `size`, grouping sequences of similar total length."""
+    order = sorted(range(len(total_lengths)), key=lambda i: total_lengths[i])
+    return [order[i:i + size] for i in range(0, len(order), size)]
+
+
+def padding_fraction(batches: list[MicroBatch]) -> float:
+    real = sum(int(b.attention_mask.sum()) for b in batches)
+    total = sum(b.attention_mask.numel() for b in batches)
+    return 1.0 - real / max(total, 1)
+
+
+def _head_logprobs(head, softcap, temperature, h, targets, want_entropy: bool):
+    logits = head(h).float()                               # [m, t, V]
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    if temperature != 1.0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, -1)                      # [m, t]
+    logp = logits.gather(-1, targets[..., None]).squeeze(-1) - lse
+    if not want_entropy:
+        return logp, torch.zeros_like(logp)
+    with torch.no_grad():
+        p = torch.softmax(logits.detach(), -1)
+        ent = lse.detach() - (p * logits.detach()).sum(-1)
+    return logp, ent
+
+
+def completion_logprobs(model, mb: MicroBatch, *, temperature: float = 1.0, chunk_tokens: int = 1024,
+                        want_entropy: bool = False, logits_budget_bytes: int = 256 << 20
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi(completion token | prefix) for each completion token of `mb`: ([m, L], entropy [m, L]).
+
+    Logits are divided by `temperature`, matching the distribution the sampler drew from.
+    Padding positions hold 0.
+    """
+    backbone, head, softcap = backbone_and_head(model)
+    dev = head.weight.device
+    ids, att = mb.input_ids.to(dev), mb.attention_mask.to(dev)
+    pos = (att.cumsum(-1) - 1).clamp(min=0)
+    hidden = backbone(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=False).last_hidden_state
+    P, L = mb.prompt_len, mb.targets.shape[1]
+    h = hidden[:, P - 1:P - 1 + L]                         # [m, L, H] states that predict the completion
+    targets = mb.targets.to(dev)
+    m = h.shape[0]
+    vocab = head.weight.shape[0]
+    need_ckpt = torch.is_grad_enabled() and m * L * vocab * 4 > logits_budget_bytes
+    if not need_ckpt and m * L <= max(chunk_tokens, 1) * 4:
+        logp, ent = _head_logprobs(head, softcap, temperature, h, targets, want_entropy)
+    else:
+        step = max(1, chunk_tokens // max(m, 1))
+        parts = []
+        for s in range(0, L, step):
+            args = (head, softcap, temperature, h[:, s:s + step], targets[:, s:s + step], want_entropy)
+            parts.append(checkpoint(_head_logprobs, *args, use_reentrant=False) if need_ckpt
+                         else _head_logprobs(*args))
+        logp = torch.cat([p[0] for p in parts], 1)
+        ent = torch.cat([p[1] for p in parts], 1)
+    maskf = mb.mask.to(dev, logp.dtype)
+    return logp * maskf, ent * maskf

@@ -1,0 +1,165 @@
+"""Tests for grpokit.algo.control: Ziegler worked examples (FORMULAS §8.2), band controller,
+warm-up and late-training schedules, composition, state round-trips, bad input."""
+
+import math
+
+import pytest
+
+from grpokit.algo.control import (
+    CONTROLLERS,
+    AdaptiveKL,
+    FixedKL,
+    KLController,
+    ScheduleKL,
+    WarmupKL,
+    ZieglerKL,
+    build_controller,
+)
+
+
+def test_fixed():
+    c = build_controller("fixed", beta=0.04)
+    assert c.beta == 0.04 and c.step(123.0) == 0.04 and c.beta == 0.04
+
+
+# FORMULAS §8.2: β = 0.1, target = 6.
+#   KL 12: e = clip(12/6 − 1) = 0.2. Code K = 512/10000: 0.1·(1 + 0.0512·0.2) = 0.101024;
+#          paper K = 0.1: 0.1·1.02 = 0.102.
+#   KL 5:  e = −1/6. Code: 0.1·(1 − 0.0512/6) = 0.0991467; paper: 0.1·(1 − 0.1/6) = 0.0983333.
+@pytest.mark.parametrize(
+    "kl, kwargs, expected",
+    [
+        (12.0, dict(n_steps=512, horizon=10000), 0.101024),
+        (12.0, dict(k_beta=0.1), 0.102),
+        (12.0, dict(), 0.102),  # default K = the paper's 0.1
+        (5.0, dict(n_steps=512, horizon=10000), 0.0991467),
+        (5.0, dict(k_beta=0.1), 0.0983333),
+        (6.0, dict(k_beta=0.1), 0.1),  # on target: unchanged
+        (1e9, dict(k_beta=0.1), 0.102),  # error clipped at +0.2
+        (0.0, dict(k_beta=0.1), 0.098),  # error clipped at −0.2
+    ],
+)
+def test_ziegler_worked_examples(kl, kwargs, expected):
+    c = build_controller("ziegler", beta=0.1, target=6.0, **kwargs)
+    assert c.step(kl) == pytest.approx(expected, abs=1e-7)
+    assert c.beta == pytest.approx(expected, abs=1e-7)
+
+
+def test_ziegler_two_steps_compound():
+    # 0.1 · 1.02 · 1.02 = 0.10404
+    c = ZieglerKL(0.1, 6.0, k_beta=0.1)
+    c.step(12.0)
+    assert c.step(12.0) == pytest.approx(0.10404)
+
+
+def test_adaptive_band():
+    # factor 1.5, band [0.01, 0.05], bounds [0.02, 0.1]
+    c = build_controller("adaptive", beta=0.04, low=0.01, high=0.05, beta_min=0.02, beta_max=0.1)
+    assert c.step(0.03) == pytest.approx(0.04)  # inside the band: unchanged
+    assert c.step(0.2) == pytest.approx(0.06)  # above: ×1.5
+    assert c.step(0.2) == pytest.approx(0.09)
+    assert c.step(0.2) == pytest.approx(0.1)  # 0.135 capped at beta_max
+    assert c.step(0.001) == pytest.approx(0.1 / 1.5)  # below: ÷1.5
+    assert c.step(0.001) == pytest.approx(0.1 / 1.5**2)
+    assert c.step(0.001) == pytest.approx(0.1 / 1.5**3)  # 0.0296
+    assert c.step(0.001) == pytest.approx(0.02)  # 0.0296 / 1.5 = 0.0198 floored at beta_min
+
+
+def test_warmup_linear_and_cosine():
+    # base 0.01, start_scale 5, 4 steps. linear scale = 1 + 4(1 − t/4): t = 0..4 -> 5, 4, 3, 2, 1
+    c = build_controller("warmup", beta=0.01, steps=4, start_scale=5.0, shape="linear")
+    assert c.beta == pytest.approx(0.05)
+    assert [c.step(0.0) for _ in range(5)] == pytest.approx([0.04, 0.03, 0.02, 0.01, 0.01])
+    # cosine: scale = 1 + 4·½(1 + cos(π t/4)): t = 1 -> 1 + 2(1 + 0.707107) = 4.414214; t = 2 -> 3
+    c = build_controller("warmup", beta=0.01, steps=4, start_scale=5.0)
+    assert c.beta == pytest.approx(0.05)
+    assert c.step(0.0) == pytest.approx(0.04414214)
+    assert c.step(0.0) == pytest.approx(0.03)
+
+
+def test_schedule_linear_step_cosine():
+    # total 10, start_frac 0.6, final_scale 0.2: scale 1 for t < 6, then linear to 0.2 at t = 10:
+    # t = 6: 1, 7: 0.8, 8: 0.6, 9: 0.4, 10: 0.2, 11: 0.2
+    c = build_controller("schedule", beta=1.0, total_steps=10, start_frac=0.6, final_scale=0.2)
+    betas = [c.beta] + [c.step(0.0) for _ in range(11)]
+    assert betas == pytest.approx([1, 1, 1, 1, 1, 1, 1, 0.8, 0.6, 0.4, 0.2, 0.2])
+    c = ScheduleKL(beta=1.0, total_steps=10, start_frac=0.6, final_scale=0.2, shape="step")
+    assert [c.step(0.0) for _ in range(7)] == pytest.approx([1, 1, 1, 1, 1, 0.2, 0.2])
+    # cosine at the midpoint of the decay (t = 8): 0.2 + 0.8·½(1 + cos(π/2)) = 0.6
+    c = ScheduleKL(FixedKL(1.0), total_steps=10, start_frac=0.6, final_scale=0.2, shape="cosine")
+    assert [c.step(0.0) for _ in range(8)][-1] == pytest.approx(0.6)
+
+
+def test_composition_warmup_over_adaptive_and_schedule_over_warmup():
+    # inner adaptive (factor 2) sees every KL: β_inner 0.1 -> 0.2 -> 0.4; warmup scale 3 -> 2 -> 1
+    c = build_controller(
+        "warmup",
+        inner={"kind": "adaptive", "beta": 0.1, "low": 0.0, "high": 1.0, "factor": 2.0},
+        steps=2,
+        start_scale=3.0,
+        shape="linear",
+    )
+    assert c.beta == pytest.approx(0.3)
+    assert c.step(5.0) == pytest.approx(0.2 * 2)
+    assert c.step(5.0) == pytest.approx(0.4 * 1)
+    outer = ScheduleKL(WarmupKL(beta=0.1, steps=2, start_scale=3.0, shape="linear"), total_steps=4,
+                       start_frac=0.5, final_scale=0.0)
+    # t: 0 -> 0.3·1, 1 -> 0.2·1, 2 -> 0.1·1, 3 -> 0.1·0.5, 4 -> 0
+    betas = [outer.beta] + [outer.step(0.0) for _ in range(4)]
+    assert betas == pytest.approx([0.3, 0.2, 0.1, 0.05, 0.0])
+
+
+@pytest.mark.parametrize(
+    "kind, kwargs",
+    [
+        ("fixed", dict(beta=0.1)),
+        ("adaptive", dict(beta=0.1, low=0.01, high=0.02)),
+        ("ziegler", dict(beta=0.1, target=6.0)),
+        ("warmup", dict(inner={"kind": "ziegler", "beta": 0.1, "target": 6.0}, steps=5)),
+        ("schedule", dict(beta=0.1, total_steps=6, start_frac=0.5)),
+    ],
+)
+def test_state_dict_round_trip(kind, kwargs):
+    a, b = build_controller(kind, **kwargs), build_controller(kind, **kwargs)
+    assert isinstance(a, KLController)
+    for kl in (0.5, 20.0, 0.001):
+        a.step(kl)
+    b.load_state_dict(a.state_dict())
+    assert b.beta == a.beta
+    assert b.step(3.0) == a.step(3.0)
+    with pytest.raises(ValueError, match="state_dict is for"):
+        b.load_state_dict({"kind": "other"})
+
+
+@pytest.mark.parametrize("kind", sorted(CONTROLLERS))
+def test_nonfinite_kl_raises(kind):
+    kwargs = {"beta": 0.1, "low": 0.1, "high": 0.2, "target": 1.0, "steps": 2, "total_steps": 3}
+    allowed = {
+        "fixed": ["beta"], "adaptive": ["beta", "low", "high"], "ziegler": ["beta", "target"],
+        "warmup": ["beta", "steps"], "schedule": ["beta", "total_steps"],
+    }[kind]
+    c = build_controller(kind, **{k: kwargs[k] for k in allowed})
+    for bad in (math.nan, math.inf):
+        with pytest.raises(ValueError, match="finite"):
+            c.step(bad)
+
+
+@pytest.mark.parametrize(
+    "kind, kwargs, match",
+    [
+        ("adaptve", dict(beta=0.1), "did you mean 'adaptive'"),
+        ("fixed", dict(beta=0.1, target=3), "unexpected keyword"),
+        ("fixed", dict(beta=-1.0), "beta"),
+        ("adaptive", dict(beta=0.1, low=0.2, high=0.1), "low <= high"),
+        ("adaptive", dict(beta=0.1, low=0.0, high=0.1, factor=1.0), "factor"),
+        ("adaptive", dict(beta=20.0, low=0.0, high=0.1), "beta_max"),
+        ("ziegler", dict(beta=0.1, target=0.0), "target > 0"),
+        ("ziegler", dict(beta=0.1, target=1.0, n_steps=5, k_beta=0.1), "not both"),
+        ("warmup", dict(steps=3), "needs beta or inner"),
+        ("warmup", dict(beta=0.1, steps=3, shape="exp"), "shape"),
+        ("schedule", dict(beta=0.1, total_steps=3, start_frac=1.5), "start_frac"),
+    ],
+)
+def test_bad_arguments(kind, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        build_controller(kind, **kwargs)

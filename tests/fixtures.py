@@ -1,0 +1,46 @@
+"""Shared builders for tests: a tiny seeded model directory and arithmetic prompt files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from grpokit.tasks.arithmetic import ArithmeticTask
+from grpokit.tasks.tiny import build_char_tokenizer, build_tiny_model, save_pretrained
+
+
+def tiny_model_dir(path: Path, *, arch: str = "qwen2", hidden: int = 32, layers: int = 2, seed: int = 0) -> Path:
+    tok = build_char_tokenizer("0123456789+= ")
+    model = build_tiny_model(tok, arch=arch, hidden=hidden, layers=layers, heads=2, intermediate=64,
+                             max_positions=64, seed=seed)
+    return save_pretrained(model, tok, path)
+
+
+def arithmetic_files(path: Path, n_train: int = 256, seed: int = 0) -> tuple[Path, Path]:
+    task = ArithmeticTask(seed=seed, heldout=32)
+    path.mkdir(parents=True, exist_ok=True)
+    train, held = path / "train.jsonl", path / "heldout.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in task.train_rows(n_train, seed)))
+    held.write_text("".join(json.dumps(r) + "\n" for r in task.heldout_rows()))
+    return train, held
+
+
+def small_overrides(model_dir: Path, train: Path, run_dir: Path, **extra) -> list[str]:
+    base = {
+        "model.path": model_dir, "data.path": train, "train.run_dir": run_dir,
+        "rollout.group_size": 4, "rollout.batch_size": 16, "rollout.max_new_tokens": 4,
+        "rollout.temperature": 1.0, "optim.lr": 1e-3, "optim.micro_batch_size": 16,
+        "train.steps": 2, "train.progress": False, "train.tensorboard": False, "train.sample_every": 0,
+        "rewards": "[{name: exact_match}]",
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+from grpokit.rewards import REGISTRY, register  # noqa: E402
+
+if "test_varied" not in REGISTRY:
+    @register("test_varied")
+    def test_varied(prompts, completions, **columns):
+        """A reward with variance even for a random model: digits in the completion, mod 3."""
+        return [float(sum(ch.isdigit() for ch in c) % 3) for c in completions]

@@ -1,0 +1,253 @@
+"""grpokit.rewards.math: the case table (completion, reference, expected, reason), time limits,
+never-raises, hedging, the batched reward and the independent checker."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from grpokit.rewards import REGISTRY
+from grpokit.rewards.math import extract_answer, judge_alt, verify
+
+T, F = True, False
+
+# (completion, reference, expected, reason)
+CASES = [
+    # ---- extraction: boxed
+    (r"The answer is \boxed{5}.", "5", T, "plain boxed integer"),
+    (r"\boxed{5.0}", "5", T, "5.0 equals 5"),
+    (r"\boxed{5}", "5.0", T, "5 equals 5.0 (either side)"),
+    (r"so \boxed{\frac{1}{2}}", "0.5", T, "fraction vs decimal"),
+    (r"\boxed{0.5}", r"\frac{1}{2}", T, "decimal vs fraction"),
+    (r"\boxed{\dfrac{3}{4}}", "3/4", T, "dfrac is frac"),
+    (r"\boxed{\tfrac{3}{4}}", "0.75", T, "tfrac is frac"),
+    (r"\boxed{\frac{\sqrt{3}}{2}}", r"\frac{\sqrt3}{2}", T, "nested braces inside the box"),
+    (r"\boxed{{12}}", "12", T, "doubled braces"),
+    (r"\fbox{7}", "7", T, r"\fbox counts as a box"),
+    (r"\boxed 9", "9", T, "brace-less \\boxed 9"),
+    (r"First \boxed{4}, then checking again: \boxed{4}", "4", T, "the same boxed answer twice is not a hedge"),
+    (r"\boxed{ 42 }", "42", T, "whitespace inside the box"),
+    (r"\boxed{\left( 1, 2 \right)}", "(1,2)", T, r"\left/\right dropped"),
+    (r"\boxed{\boxed{8}}", "8", T, "a box in a box"),
+    (r"We get $x=\boxed{-3}$", "-3", T, "box inside an equation"),
+    # ---- extraction: explicit answer statements
+    ("The answer is 12.", "12", T, "'answer is' statement, trailing period"),
+    ("Answer: 12", "12", T, "'Answer:' statement"),
+    ("Reasoning...\n#### 72", "72", T, "GSM8K #### marker"),
+    ("**Final Answer:** 3.5", "7/2", T, "bold 'Final Answer:'"),
+    ("So the final answer is $\\frac{2}{3}$ of the cake.", r"\frac23", T, "math span after 'answer is'"),
+    ("The answer is 15. I hope that helps with 99 other things.", "15", T, "statement cut at the sentence end"),
+    ("The answer is 1,000,000", "1000000", T, "thousands separators"),
+    ("answer: 1{,}234", "1234", T, "LaTeX thousands separator {,}"),
+    (r"Answer: 1\,234", "1234", T, r"LaTeX thin-space thousands separator"),
+    ("Answer: \u22125", "-5", T, "unicode minus"),
+    ("Answer: \u2212\u00bd", "-0.5", T, "unicode minus and vulgar half"),
+    ("The answer is: 8 apples", "8", T, "units after the number in words ('8 apples' parses to 8)"),
+    # ---- extraction: last number of the final line
+    ("3 + 4 = 7\nso we have 7", "7", T, "last number of the final line"),
+    ("We compute 2*3.\nThe result is 6", "6", T, "no marker, final line has the answer"),
+    ("Total = 10 - 3 = 7", "7", T, "last number, not the first"),
+    ("value is 2.25", "9/4", T, "last number decimal vs fraction"),
+    ("It equals \\frac{5}{8}", "0.625", T, "\\frac counts as a number on the final line"),
+    # ---- equivalence: numbers
+    (r"\boxed{0.3333333}", r"\frac{1}{3}", T, "decimal to 6 places matches 1/3"),
+    (r"\boxed{1.50}", "1.5", T, "trailing zero"),
+    (r"\boxed{.5}", "0.5", T, "leading dot"),
+    (r"\boxed{2^{10}}", "1024", T, "power evaluated"),
+    (r"\boxed{\sqrt{16}}", "4", T, "sqrt evaluated"),
+    (r"\boxed{\frac{6}{8}}", r"\frac{3}{4}", T, "unreduced fraction"),
+    (r"\boxed{-\frac{1}{2}}", r"\frac{-1}{2}", T, "sign placement"),
+    (r"\boxed{3\pi}", r"3 \pi", T, "spacing before pi"),
+    (r"\boxed{\frac{\pi}{2}}", r"\pi/2", T, "pi fraction forms"),
+    (r"\boxed{2\sqrt{2}}", r"\sqrt{8}", T, "simplified radical"),
+    (r"\boxed{\frac{1}{\sqrt{2}}}", r"\frac{\sqrt{2}}{2}", T, "rationalised denominator"),
+    (r"\boxed{1e3}", "1000", T, "scientific notation"),
+    (r"\boxed{10^3}", "1000", T, "power of ten"),
+    (r"\boxed{e^{0}}", "1", T, "e^0"),
+    (r"\boxed{\infty}", r"\infty", T, "infinity"),
+    (r"\boxed{-7}", "-7", T, "negative integer"),
+    (r"\boxed{3+4i}", "3+4i", T, "complex number"),
+    # ---- equivalence: units, degrees, percent, text
+    (r"\boxed{5\text{ cm}}", "5", T, r"\text{units} dropped"),
+    (r"\boxed{5}", r"5 \text{ cm}", T, "units in the reference dropped"),
+    (r"\boxed{12 \text{ dollars}}", r"\$12", T, "currency and unit words"),
+    (r"\boxed{30^\circ}", "30", T, "degrees ^\\circ"),
+    (r"\boxed{30^{\circ}}", "30", T, "degrees ^{\\circ}"),
+    ("The answer is 45\u00b0", "45", T, "unicode degree sign"),
+    ("The answer is 45 degrees", "45", T, "the word degrees"),
+    (r"\boxed{50\%}", "50", T, "percent sign vs plain number"),
+    (r"\boxed{50\%}", "0.5", T, "percent vs fraction of one"),
+    (r"\boxed{25\%}", r"25\%", T, "percent both sides"),
+    (r"\boxed{\text{Monday}}", r"\text{Monday}", T, "text answer identical"),
+    # ---- equivalence: equations and symbols
+    (r"\boxed{x = 3}", "3", T, "x = 3 vs 3"),
+    (r"\boxed{3}", "x=3", T, "3 vs x = 3"),
+    (r"\boxed{y = 2x + 1}", "2x+1", T, "y = ... vs expression"),
+    (r"\boxed{(x+1)^2}", "x^2+2x+1", T, "symbolic equality after expansion"),
+    (r"\boxed{x^2-1}", "(x-1)(x+1)", T, "factored form"),
+    (r"\boxed{\frac{x}{2}}", "0.5x", T, "symbolic coefficient"),
+    (r"\boxed{2(a+b)}", "2a+2b", T, "distributed"),
+    (r"\boxed{\sin^2 x + \cos^2 x}", "1", T, "trig identity"),
+    # ---- equivalence: tuples, intervals, sets
+    (r"\boxed{(1, 2)}", "(1,2)", T, "tuple spacing"),
+    (r"\boxed{(2,3)}", r"\left(2, 3\right)", T, "tuple with \\left/\\right"),
+    (r"\boxed{[1, 2]}", "[1,2]", T, "closed interval"),
+    (r"\boxed{(1, 2]}", "(1,2]", T, "half-open interval"),
+    (r"\boxed{(-\infty, 3)}", r"(-\infty,3)", T, "interval to infinity"),
+    (r"\boxed{\{1,2,3\}}", r"\{3,2,1\}", T, "set order does not matter"),
+    (r"\boxed{2, 1}", "1, 2", T, "bare list read as a set"),
+    (r"\boxed{1 \text{ or } 2}", "1, 2", T, "'or' list when the reference is a collection"),
+    (r"\boxed{x = 2 \text{ or } x = -2}", r"-2, 2", T, "roots joined by 'or' vs root list"),
+    (r"\boxed{[0, 1) \cup (1, 2]}", r"[0,1)\cup(1,2]", T, "union of intervals"),
+    (r"\boxed{\begin{pmatrix}1\\2\end{pmatrix}}", r"\begin{pmatrix}1\\2\end{pmatrix}", T, "matrix"),
+    # ---- false: wrong values
+    (r"\boxed{6}", "5", F, "wrong integer"),
+    (r"\boxed{-5}", "5", F, "sign matters"),
+    (r"\boxed{0.333}", r"\frac{1}{3}", F, "three decimals is not 1/3"),
+    (r"\boxed{3.14}", r"\pi", F, "pi approximation is not pi"),
+    (r"\boxed{\frac{1}{2}}", r"\frac{1}{3}", F, "different fractions"),
+    (r"\boxed{5}", "50", F, "dropped digit"),
+    (r"\boxed{1000}", "1,000,001", F, "thousands separator does not hide a difference"),
+    (r"\boxed{2\sqrt{3}}", r"\sqrt{6}", F, "different radicals"),
+    (r"\boxed{x^2}", "y^2", F, "different variable"),
+    (r"\boxed{(x+1)^2}", "x^2+1", F, "wrong expansion"),
+    (r"\boxed{x = 4}", "3", F, "equation with the wrong value"),
+    (r"\boxed{\text{Tuesday}}", r"\text{Monday}", F, "different text answer"),
+    (r"\boxed{30^\circ}", "60", F, "wrong angle"),
+    (r"\boxed{5\text{ cm}}", "6", F, "units do not rescue a wrong number"),
+    (r"\boxed{3+4i}", "3-4i", F, "conjugate"),
+    (r"\boxed{5}", "-5", F, "missing minus"),
+    (r"\boxed{0.5}", r"\frac{1}{4}", F, "decimal vs a different fraction"),
+    (r"\boxed{50\%}", "5", F, "percent is not off by a factor of ten"),
+    (r"\boxed{1,001}", "1000", F, "grouped digits of a different number"),
+    (r"\boxed{x+1}", "x-1", F, "sign inside an expression"),
+    (r"\boxed{2x}", "x^2", F, "product vs power"),
+    (r"\boxed{1.41}", r"\sqrt{2}", F, "two-decimal approximation of a radical"),
+    (r"\boxed{3.0001}", "3", F, "differs in the fourth decimal"),
+    (r"\boxed{0.3}", r"\frac{1}{3}", F, "one decimal is not 1/3"),
+    (r"\boxed{e}", r"\pi", F, "different constants"),
+    (r"\boxed{A}", "B", F, "different multiple-choice letter"),
+    ("The answer is 7", "8", F, "explicit statement with the wrong value"),
+    ("#### 71", "72", F, "GSM8K marker with the wrong value"),
+    ("so we get 7\nThe end.", "7", F, "the final line has no number: no answer extracted"),
+    (r"\boxed{\infty}", r"-\infty", F, "sign of infinity"),
+    (r"\boxed{(-\infty, 3]}", r"(-\infty,3)", F, "closed end vs open end at 3"),
+    # ---- false: tuples, intervals, sets
+    (r"\boxed{(1, 2)}", "[1,2]", F, "open vs closed interval"),
+    (r"\boxed{[1, 2)}", "[1,2]", F, "half-open vs closed"),
+    (r"\boxed{(1, 2]}", "(1,2)", F, "half-open vs open"),
+    (r"\boxed{(2, 1)}", "(1,2)", F, "tuple order matters"),
+    (r"\boxed{\{1,2\}}", r"\{1,2,3\}", F, "missing set element"),
+    (r"\boxed{1, 2, 3}", "1, 2", F, "extra list element"),
+    (r"\boxed{(1,2,3)}", "(1,2)", F, "tuple length"),
+    # ---- false: hedging
+    (r"It is \boxed{3} or maybe \boxed{4}", "3", F, "two different boxed answers: hedge"),
+    (r"\boxed{4} ... no wait \boxed{3}", "3", F, "hedge even when the last box is right"),
+    (r"\boxed{1}\boxed{2}\boxed{3}\boxed{4}\boxed{5}", "3", F, "box spraying"),
+    ("The answer is 3 or 4.", "3", F, "candidate list in the final statement"),
+    ("The answer is either 3 or 4", "4", F, "'either ... or' hedge"),
+    (r"\boxed{3 \text{ or } 4}", "3", F, "hedge inside one box"),
+    ("It could be 3, or 4", "4", F, "final line lists candidates (last-number fallback)"),
+    (r"\boxed{3, 4}", "3", F, "a list is not the single answer"),
+    ("The answer is 1, 2, 3, 4, 5, 6", "4", F, "candidate list without 'or'"),
+    # ---- false: extraction failures and junk
+    ("", "5", F, "empty completion"),
+    ("I don't know.", "5", F, "no answer at all"),
+    (r"\boxed{}", "5", F, "empty box"),
+    (r"The result: \boxed{5", "5", T, "unclosed box (truncated) falls back to the last number of the final line"),
+    ("The answer is", "5", F, "marker with nothing after it"),
+    ("Answer: 5\nWait, let me recompute.\nActually it is 6", "5", T, "an explicit answer statement beats later text (a known hole)"),
+    ("5 apples and 6 pears", "5", F, "last number of the final line is 6"),
+    (r"\boxed{10^{10^{10^{10}}}}", "1", F, "pathological tower: time limit, False"),
+    ("\\boxed{" + "(" * 300 + "1" + ")" * 300 + "}", "2", F, "deep nesting is not 2"),
+    (r"\boxed{\frac{1}{0}}", "1", F, "division by zero is not 1"),
+    (r"\boxed{x}", "5", F, "a bare symbol is not a number"),
+    ("answer: " + "9" * 3000, "9", F, "absurdly long answer rejected"),
+    ("The answer is 5.", None, None, "no reference: cannot be scored"),
+]
+
+
+@pytest.mark.parametrize("completion,reference,expected,reason", CASES, ids=[c[3][:60] for c in CASES])
+def test_case_table(completion, reference, expected, reason):
+    if expected is None:
+        from grpokit.rewards.math import judge
+
+        assert judge(completion, reference) is None, reason
+        return
+    assert verify(completion, reference) is expected, reason
+
+
+def test_table_is_large_and_balanced():
+    n_true = sum(1 for c in CASES if c[2] is True)
+    n_false = sum(1 for c in CASES if c[2] is False)
+    assert len(CASES) >= 120 and n_true >= 50 and n_false >= 50, (len(CASES), n_true, n_false)
+
+
+def test_pathological_input_returns_false_within_two_seconds():
+    verify(r"\boxed{1}", "1")  # the checker processes are up (startup is not part of the limit)
+    for bomb in (r"\boxed{10^{10^{10^{10}}}}", r"\boxed{9^{9^{9^{9^{9}}}}}", r"\boxed{(10^{10^{8}})!}"):
+        t0 = time.monotonic()
+        assert verify(bomb, "7") is False
+        assert time.monotonic() - t0 < 2.5, bomb
+    assert verify(r"\boxed{2}", "2") is True  # and the pool recovered
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.text(alphabet=st.sampled_from(list("\\{}^_()[],.$=-+0123456789xboxedfrac ")), max_size=60), st.text(max_size=20))
+def test_never_raises(completion, reference):
+    assert verify(completion, reference, timeout_s=1.0) in (True, False)
+
+
+def test_non_string_inputs_do_not_raise():
+    assert verify(None, "5") is False  # type: ignore[arg-type]
+    assert verify(r"\boxed{5}", 5) is True  # numeric reference
+    assert verify(r"\boxed{5}", "\\boxed{5}") is True  # reference given as a boxed solution
+    assert verify("#### 5", "The solution... #### 5") is True  # GSM8K-style reference
+
+
+def test_extraction_sources():
+    assert extract_answer(r"x \boxed{1} y \boxed{2}").answers == ("1", "2")
+    assert extract_answer("Answer: 7").source == "marker"
+    assert extract_answer("so 3 then 4").source == "last_number"
+    assert extract_answer("no numbers here").source == "none"
+    assert extract_answer("The answer is 3 or 4").hedged
+
+
+def test_reward_batch_and_none_for_missing_reference():
+    fn = REGISTRY["math_accuracy"]
+    out = fn(["p"] * 4, [r"\boxed{2}", r"\boxed{3}", "nothing", r"\boxed{2}"], answer=["2", "2", "2", None],
+             completion_length=[3] * 4, group_id=[0] * 4, finish_reason=["eos"] * 4, extra_column=[1, 2, 3, 4])
+    assert out == [1.0, 0.0, 0.0, None]
+
+
+def test_reward_answer_column_is_configurable():
+    fn = REGISTRY["math_accuracy"]
+    assert fn(["p"], [r"\boxed{9}"], answer_column="solution", solution=["9"]) == [1.0]
+    with pytest.raises(KeyError):
+        fn(["p"], [r"\boxed{9}"], answer_column="solution", answer=["9"])
+
+
+# The independent checker agrees with the primary on unambiguous cases (the ones where the
+# extraction rules coincide), and disagrees on a hedge, which is what cross-checking is for.
+ALT_AGREE = [c for c in CASES if c[2] is not None and c[3] in {
+    "plain boxed integer", "5.0 equals 5", "fraction vs decimal", "dfrac is frac", "nested braces inside the box",
+    "'Answer:' statement", "GSM8K #### marker", "thousands separators", "unicode minus", "degrees ^\\circ",
+    "percent vs fraction of one", "x = 3 vs 3", "symbolic equality after expansion", "factored form",
+    "set order does not matter", "open vs closed interval", "tuple order matters", "wrong integer", "sign matters",
+    "three decimals is not 1/3", "different variable", "half-open vs open", "missing set element",
+    "rationalised denominator", "pi approximation is not pi", "bare list read as a set",
+}]
+
+
+@pytest.mark.parametrize("completion,reference,expected,reason", ALT_AGREE, ids=[c[3][:60] for c in ALT_AGREE])
+def test_alt_checker_agrees_on_clear_cases(completion, reference, expected, reason):
+    assert judge_alt(completion, reference) is expected, reason
+
+
+def test_alt_checker_is_independent_on_hedges():
+    hedge = r"It is \boxed{4} or maybe \boxed{3}"
+    assert verify(hedge, "3") is False
+    assert judge_alt(hedge, "3") is True  # last box only: the disagreement CrossCheck reports

@@ -1,0 +1,20 @@
+"""End to end: `grpokit demo --quick` must measurably teach the tiny model."""
+
+import json
+
+import pytest
+
+from grpokit.demo import run_demo
+
+
+@pytest.mark.slow
+def test_quick_demo_gains_accuracy(tmp_path):
+    s = run_demo(quick=True, run_dir=tmp_path / "demo", say=lambda *a: None, progress=False)
+    saved = json.loads((tmp_path / "demo" / "summary.json").read_text())
+    assert saved["accuracy_after"] == s["accuracy_after"]
+    for key in ("accuracy_before", "accuracy_after", "sampled_accuracy_before", "sampled_accuracy_after",
+                "teacher_accuracy", "steps", "wall_seconds"):
+        assert key in saved
+    # GRPO goes beyond what the warm start imitated
+    assert s["accuracy_after"] >= s["accuracy_before"] + 10.0
+    assert (tmp_path / "demo" / "grpo" / "metrics.jsonl").is_file()
