@@ -1,4 +1,4 @@
-"""`grpokit` command line: train, eval, demo, report.
+"""`grpokit` command line: train, eval, demo, compare, report, plan-memory.
 
 A user error (bad config key, missing file, malformed dataset row, unloadable model) prints one line
 and exits with code 2; `--debug` shows the traceback instead.
@@ -20,6 +20,7 @@ EXAMPLES = """examples:
   grpokit eval --model runs/grpo/checkpoints/step_000100 --data heldout.jsonl
   grpokit compare grpo dr_grpo dapo reinforce grpo_buckets --seeds 0 1 2
   grpokit report runs/grpo
+  grpokit plan-memory my.yaml --budget 24GiB --device cuda --apply
 """
 
 
@@ -61,7 +62,7 @@ def _write_report(run_dir) -> None:
 def cmd_eval(args) -> int:
     from grpokit.config import load_config
     from grpokit.data.datasets import PromptDataset, load_prompts
-    from grpokit.rewards import RewardSet
+    from grpokit.train import build_rewards
     from grpokit.rollout.hf import HFEngine
     from grpokit.train.evaluate import evaluate
     from grpokit.train.model import load_model, load_tokenizer
@@ -72,7 +73,7 @@ def cmd_eval(args) -> int:
     tok = load_tokenizer(args.model)
     model = load_model(args.model, dtype=cfg.model.dtype, device=cfg.model.device)
     ds = load_prompts(args.data, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field)
-    rewards = RewardSet.from_specs([r.model_dump() for r in cfg.rewards])
+    rewards = build_rewards(cfg)
     import torch
     res = evaluate(HFEngine(model, tok), PromptEncoder(tok, cfg.data.chat_template), rewards,
                    PromptDataset(ds.rows), cfg, samples=args.samples, generator=torch.Generator().manual_seed(cfg.train.seed))
@@ -95,6 +96,54 @@ def cmd_compare(args) -> int:
     compare(args.presets, seeds=args.seeds, steps=args.steps, eval_every=args.eval_every, run_dir=args.run_dir,
             quick=args.quick)
     return 0
+
+
+def cmd_plan_memory(args) -> int:
+    """Estimate peak memory; apply the seed's order of cuts until the budget is met (seed 5.4)."""
+    from grpokit.config import load_config, parse_override
+    from grpokit.train import memory as mem
+
+    cfg = load_config(args.config, args.overrides)
+    shape = mem.load_shape(cfg.model.path)
+    setup = mem.setup_from_config(cfg, device=args.device, prompt_tokens=args.prompt_tokens or mem.prompt_tokens_of(cfg))
+    budget = mem.parse_size(args.budget) if args.budget else mem.default_budget(setup.device)
+    rows = mem.plan(shape, setup, budget, lr=cfg.optim.lr, prompts_per_step=cfg.prompts_per_step,
+                    mini_batches=cfg.algorithm.mini_batches)
+    print(mem.format_plan(rows, budget))
+    fit = mem.first_fit(rows, budget)
+    if fit is not None and fit.overrides.get("lora.load_in_4bit"):
+        from grpokit.train.lora import four_bit_unavailable
+        why = four_bit_unavailable(setup.device) if setup.device == "cpu" or _has_cuda() else None
+        if why:
+            print(f"note: {why}")
+    if args.apply:
+        if fit is None:
+            print("--apply: nothing fits the budget; no file written", file=sys.stderr)
+            return 1
+        given = {".".join(k): v for k, v in map(parse_override, args.overrides)}
+        src = Path(args.config[-1]) if args.config else None
+        out = Path(args.out) if args.out else Path(f"{src.stem if src else 'plan'}.fit.yaml")
+        if src is not None and src.is_file():
+            base = [str(Path(c).resolve()) if Path(c).is_file() else c for c in args.config]
+        else:
+            base = list(args.config)
+        out.write_text(mem.overrides_yaml({**given, **fit.overrides}, base if len(base) != 1 else base[0]))
+        print(f"wrote {out}: grpokit train {out}")
+    if args.measure:
+        from grpokit.train.memory_probe import measure
+        over = args.overrides + [f"{k}={mem._yaml_value(v)}" for k, v in (fit.overrides if fit else {}).items()]
+        got = measure(args.config, over, steps=args.measure)
+        est = (fit or rows[0]).peak
+        line = f"measured ({args.measure} steps): peak RSS {got['peak_rss_mib']:.0f} MiB"
+        if "cuda_peak_mib" in got:
+            line += f", cuda max_memory_allocated {got['cuda_peak_mib']:.0f} MiB"
+        print(line + f"; estimate {est / mem.MiB:.0f} MiB")
+    return 0 if fit is not None else 1
+
+
+def _has_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 def cmd_report(args) -> int:
@@ -143,6 +192,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quick", action="store_true", help="use the quick demo's shorter warm start")
     c.set_defaults(fn=cmd_compare)
 
+    pm = sub.add_parser("plan-memory", help="estimate peak memory and the seed's order of cuts to fit a budget")
+    pm.add_argument("config", nargs="+", help="config file(s) or preset names, then key.sub=value overrides")
+    pm.add_argument("--budget", default=None, help="memory to fit, e.g. 24GiB (default: this GPU's or RAM's size)")
+    pm.add_argument("--device", choices=["cpu", "cuda"], default=None, help="plan for this device (default: model.device)")
+    pm.add_argument("--prompt-tokens", type=int, default=None,
+                    help="longest prompt in tokens (default: measured on data.path, else 256)")
+    pm.add_argument("--apply", action="store_true", help="write the first fitting configuration as a YAML file")
+    pm.add_argument("--out", default=None, help="where --apply writes (default: CONFIG.fit.yaml here)")
+    pm.add_argument("--measure", type=int, nargs="?", const=2, default=0, metavar="STEPS",
+                    help="also run STEPS (2) training steps of the fitting configuration here and report its peak")
+    pm.set_defaults(fn=cmd_plan_memory)
+
     r = sub.add_parser("report", help="write RUN_DIR/report.html")
     r.add_argument("run_dir")
     r.set_defaults(fn=cmd_report)
@@ -150,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _split_train_args(args) -> None:
-    if args.cmd == "train":
+    if args.cmd in ("train", "plan-memory"):
         args.overrides = [a for a in args.config if "=" in a]
         args.config = [a for a in args.config if "=" not in a]
 

@@ -22,7 +22,7 @@ from grpokit.train.model import load_model, load_tokenizer
 
 
 def run_one(preset: str, seed: int, s: DemoSettings, root: Path, steps: int, eval_every: int, say) -> dict:
-    from grpokit.rewards import RewardSet
+    from grpokit.train import build_rewards
     from grpokit.train.loop import Trainer
 
     task = ArithmeticTask(seed=seed, carry_frac=s.carry_frac, teacher_correct=s.teacher_correct, heldout=s.heldout)
@@ -36,7 +36,7 @@ def run_one(preset: str, seed: int, s: DemoSettings, root: Path, steps: int, eva
                                          f"train.seed={seed}", f"train.run_dir={run_dir}", "train.progress=false",
                                          f"train.eval_every={eval_every}", "train.save_every=0"])
     tok, model = load_tokenizer(warm_dir), load_model(warm_dir, dtype="float32", device="cpu")
-    trainer = Trainer(cfg, model, tok, load_prompts(data), RewardSet.from_specs([r.model_dump() for r in cfg.rewards]),
+    trainer = Trainer(cfg, model, tok, load_prompts(data), build_rewards(cfg),
                       eval_dataset=PromptDataset(held))
     t0 = time.perf_counter()
     trainer.train()

@@ -97,6 +97,9 @@ class RolloutConfig(_Section):
     """Sample among the k most likely tokens (0 = off)."""
     max_new_tokens: int = 2048
     """Longest completion in tokens; longer ones are cut and marked `finish_reason=length`."""
+    ignore_eos: bool = False
+    """Keep sampling after an EOS token (every completion is `max_new_tokens` long, finish_reason
+    `length`); for benchmarks that need the same token count every step."""
     resample_threshold: float | None = Field(None, gt=0, lt=1)
     """Over-confidence resampling (seed 3.2): when the top token's probability exceeds this, sample
     from the distribution with that token excluded. None = off."""
@@ -124,6 +127,13 @@ class KLConfig(_Section):
     """Put the (detached, k1) KL into the reward instead of the loss."""
     ref_dropout: float = Field(0.0, ge=0, lt=1)
     """Reference dropout (seed 3.1): dropout on the reference's hidden states when computing KL."""
+    ref_device: Literal["same", "cpu", "swap"] = "same"
+    """Where a separate reference copy lives (seed 5.4): `same` device as the policy; `cpu` (kept and
+    run on the CPU); `swap` (kept on the CPU, moved to the policy's device for each reference pass).
+    Ignored for LoRA, whose reference is the policy with its adapters off (no copy)."""
+    ref_cache: int = Field(0, ge=0)
+    """Cache up to this many per-sample reference log-prob vectors keyed by (prompt, completion)
+    token ids, so repeated samples are not recomputed (seed 3.4); 0 = off. Off when ref_dropout > 0."""
 
 
 class FilterConfig(_Section):
@@ -198,6 +208,17 @@ class RewardSpecConfig(_Section):
     """Time budget for one call; over it the batch scores None and an error is counted."""
 
 
+class CrossCheckConfig(_Section):
+    primary: str
+    """The reward whose scores are checked (one of `rewards`)."""
+    checker: str = "math_accuracy_alt"
+    """An independent checker: a registered reward name."""
+    fraction: float = Field(0.1, ge=0, le=1)
+    """Share of completions checked each step."""
+    checker_args: dict[str, Any] | None = None
+    """Arguments for the checker (default: the primary's arguments it accepts)."""
+
+
 class OptimConfig(_Section):
     lr: float = Field(3e-6, gt=0)
     """AdamW learning rate (seed: 3e-6 full fine-tune, 1e-4 to 2e-4 LoRA)."""
@@ -240,6 +261,34 @@ class TrainConfig(_Section):
     """Show a progress bar."""
 
 
+class LoraSection(_Section):
+    enabled: bool = False
+    """Train LoRA adapters (peft) instead of all weights; the reference is then the same model with
+    its adapters disabled (no second copy). Seed: rank 16-32, lr 1e-4 to 2e-4."""
+    rank: int = Field(16, ge=1)
+    """LoRA rank r."""
+    alpha: float = Field(32.0, gt=0)
+    """LoRA alpha; the adapter's update is scaled by alpha / rank."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input. It acts only in train mode; the GRPO trainer keeps the policy
+    in eval mode (sampling and training see one distribution), so it matters for SFT only."""
+    target_modules: list[str] | str = "auto"
+    """Modules that get adapters: `auto` (every attention and MLP projection, chosen per
+    architecture in grpokit.train.lora.DEFAULT_TARGETS), `all-linear`, or a list of module names."""
+    load_in_4bit: bool = False
+    """QLoRA: load the frozen base weights in 4 bit through bitsandbytes (needs lora.enabled)."""
+    quant_type: Literal["nf4", "fp4"] = "nf4"
+    """4-bit data type (QLoRA paper: NF4)."""
+    double_quant: bool = True
+    """Quantize the 4-bit quantization constants too (QLoRA's double quantization)."""
+    reference: Literal["adapter_off", "copy"] = "adapter_off"
+    """The KL reference: the policy with its adapters disabled (no extra memory), or a frozen copy of
+    the base model (placed per algorithm.kl.ref_device; for comparison)."""
+    save: Literal["adapter", "merged"] = "adapter"
+    """Checkpoints hold the adapters alone (`adapter`, small; eval finds the base through
+    adapter_config.json) or the adapters merged into the base as a plain HF model (`merged`)."""
+
+
 class GuardConfig(_Section):
     max_consecutive_bad: int = Field(3, ge=1)
     """After this many steps in a row whose update was skipped as non-finite, roll back to the last
@@ -266,7 +315,10 @@ class Config(_Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     """Advantages, loss and KL."""
     rewards: list[RewardSpecConfig] = [RewardSpecConfig(name="math_accuracy")]
-    """Reward functions, summed with their weights."""
+    """Reward functions, summed with their weights. The first one decides pass / fail."""
+    crosscheck: CrossCheckConfig | None = None
+    """A second, independent checker on a fraction of samples; disagreements go to
+    RUN_DIR/disagreements.jsonl and `reward/checker_disagreement`."""
     optim: OptimConfig = OptimConfig()
     """Optimizer."""
     train: TrainConfig = TrainConfig()
@@ -275,6 +327,8 @@ class Config(_Section):
     """Health alarms (grpokit.monitor.health): per-alarm thresholds and action warn / stop / off."""
     guard: GuardConfig = GuardConfig()
     """Non-finite guard, rollback and reference integrity."""
+    lora: LoraSection = LoraSection()
+    """LoRA / QLoRA adapters (grpokit.train.lora)."""
 
     @model_validator(mode="after")
     def _combinations(self) -> "Config":
@@ -287,8 +341,14 @@ class Config(_Section):
             raise ValueError("rollout.max_new_tokens must be > 0")
         if r.batch_size % self.algorithm.mini_batches:
             raise ValueError("rollout.batch_size must be divisible by algorithm.mini_batches")
+        if not self.rewards:
+            raise ValueError("rewards: at least one reward function is needed")
+        if self.crosscheck is not None and self.crosscheck.primary not in {r.name for r in self.rewards}:
+            raise ValueError(f"crosscheck.primary '{self.crosscheck.primary}' is not one of the rewards")
         if self.algorithm.dual_clip is not None and self.algorithm.dual_clip <= 1:
             raise ValueError("algorithm.dual_clip must be > 1")
+        if self.lora.load_in_4bit and not self.lora.enabled:
+            raise ValueError("lora.load_in_4bit needs lora.enabled=true (4-bit base weights cannot be trained directly)")
         if self.algorithm.length_buckets is not None and self.algorithm.bucket_mode == "quantiles":
             if not all(0 < q < 1 for q in self.algorithm.length_buckets):
                 raise ValueError("algorithm.length_buckets must lie in (0, 1) with bucket_mode=quantiles")
@@ -388,6 +448,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
+    if isinstance(value, (dict, list)) and raw.strip()[:1] not in "{[":
+        value = raw              # "a: b" is a string here, not a mapping; only {..} / [..] are structures
     return key.strip().split("."), value
 
 

@@ -37,7 +37,7 @@ class DemoSettings:
     hidden: int = 128
     layers: int = 4
     heads: int = 4
-    warm_seconds: float = 90.0
+    warm_steps: int = 800
     warm_lr: float = 2e-3
     grpo_steps: int = 100
     carry_frac: float = 0.8
@@ -46,10 +46,10 @@ class DemoSettings:
 
     @classmethod
     def quick(cls, seed: int = 0) -> "DemoSettings":
-        return cls(seed=seed, warm_seconds=35.0, grpo_steps=40)
+        return cls(seed=seed, warm_steps=450, grpo_steps=40)
 
     def warm_key(self) -> str:
-        keys = ("seed", "hidden", "layers", "heads", "warm_seconds", "warm_lr", "carry_frac", "teacher_correct", "heldout")
+        keys = ("seed", "hidden", "layers", "heads", "warm_steps", "warm_lr", "carry_frac", "teacher_correct", "heldout")
         blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -75,15 +75,15 @@ def warm_start(s: DemoSettings, task: ArithmeticTask, run_dir: Path, say) -> Pat
     model = build_tiny_model(tok, hidden=s.hidden, layers=s.layers, heads=s.heads, intermediate=3 * s.hidden,
                              max_positions=32, seed=s.seed)
     n_params = sum(p.numel() for p in model.parameters())
-    say(f"warm start: tiny Qwen2 ({n_params / 1e6:.2f} M parameters), {s.warm_seconds:.0f} s of supervised "
+    say(f"warm start: tiny Qwen2 ({n_params / 1e6:.2f} M parameters), {s.warm_steps} steps of supervised "
         f"training on an imperfect teacher (right {100 * task.teacher_accuracy():.0f}% of the time)")
     teacher_rng = random.Random(s.seed + 99)
 
     def pairs(n, rng):
         return [(f"{a}+{b}=", task.teacher(a, b, teacher_rng)) for a, b in task.draw(n, rng)]
 
-    res = sft(model, tok, pairs, seconds=s.warm_seconds, lr=s.warm_lr, seed=s.seed)
-    say(f"warm start: {res['steps']} steps, final loss {res['loss']:.3f}")
+    res = sft(model, tok, pairs, steps=s.warm_steps, lr=s.warm_lr, seed=s.seed)
+    say(f"warm start: {res['steps']} steps in {res['seconds']:.0f} s, final loss {res['loss']:.3f}")
     tmp = run_dir / f".warm-tmp-{s.warm_key()}"
     save_pretrained(model, tok, tmp)
     tmp.rename(warm_dir)
@@ -92,7 +92,7 @@ def warm_start(s: DemoSettings, task: ArithmeticTask, run_dir: Path, say) -> Pat
 
 def run_demo(*, quick: bool = False, control: bool = False, seed: int = 0, run_dir: str | Path = "runs/demo",
              overrides: list[str] | None = None, say=print, progress: bool = True) -> dict:
-    from grpokit.rewards import RewardSet
+    from grpokit.train import build_rewards
     from grpokit.train.loop import Trainer
 
     t_start = time.perf_counter()
@@ -110,14 +110,17 @@ def run_demo(*, quick: bool = False, control: bool = False, seed: int = 0, run_d
                                  f"train.seed={seed}", f"train.run_dir={run_dir / 'grpo'}",
                                  f"train.progress={str(progress).lower()}"] + (overrides or []))
     tok = load_tokenizer(warm_dir)
-    model = load_model(warm_dir, dtype="float32", device="cpu")
+    # LoRA / QLoRA when the overrides say lora.enabled=true (the 4-bit base is loaded by build_policy)
+    from grpokit.train.lora import build_policy
+    model, reference = build_policy(cfg, None if cfg.lora.load_in_4bit else load_model(warm_dir, dtype="float32", device="cpu"))
     T = cfg.rollout.temperature
     before = {"greedy": accuracy(model, tok, held), "sampled": accuracy(model, tok, held, temperature=T, n=4, seed=seed)}
     say(f"before GRPO: held-out greedy {before['greedy']:.1f}%, sampled (T={T}) {before['sampled']:.1f}%")
 
-    rewards = RewardSet.from_specs([r.model_dump() for r in cfg.rewards])
+    rewards = build_rewards(cfg)
     from grpokit.data.datasets import load_prompts
-    trainer = Trainer(cfg, model, tok, load_prompts(cfg.data.path), rewards, eval_dataset=PromptDataset(held))
+    trainer = Trainer(cfg, model, tok, load_prompts(cfg.data.path), rewards, eval_dataset=PromptDataset(held),
+                      reference=reference)
     t0 = time.perf_counter()
     _train_with_progress(trainer, progress, say)
     grpo_seconds = time.perf_counter() - t0

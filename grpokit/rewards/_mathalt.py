@@ -60,7 +60,8 @@ def extract_alt(text: str) -> str | None:
             rest = rest.split(". ")[0].rstrip(".").strip()
             return rest or None
     if lines:
-        nums = re.findall(r"-?[\d,]*\d(?:\.\d+)?", lines[-1])
+        nums = re.findall(r"-?\d[\d,]*(?:\.\d+)?", lines[-1][-2000:])
+        nums = [x.rstrip(",") for x in nums]
         if nums:
             return nums[-1].replace(",", "") if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", nums[-1]) else nums[-1]
     return None

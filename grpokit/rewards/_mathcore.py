@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 MAX_ANSWER_CHARS = 2000  # a longer "answer" is not an answer; it is not sent to sympy
 MAX_BOXED = 4  # more distinct boxed answers than this is hedging whatever they contain
+TAIL_CHARS = 2000  # what the non-linear regexes may see of a statement or of the final line
 
 # --------------------------------------------------------------------------- extraction
 
@@ -63,16 +64,25 @@ def boxed_contents(text: str) -> list[str]:
     return out
 
 
-_MARKER = re.compile(
-    r"(?:\banswer\s*(?:is|:|=)|^[ \t]*#{4})[ \t]*:?[ \t]*(?:\*\*)?[ \t]*(?P<ans>[^\n]*)",
-    re.I | re.M,
-)
+_MARKER = re.compile(r"\banswer\s*(?:is|:|=)|^[ \t]*#{4}", re.I | re.M)  # the statement's head
+_MARKER_LEAD = re.compile(r"[ \t]*:?[ \t]*(?:\*\*)?[ \t]*")
 _MATH_SPAN = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.S)
 _NUMBER = re.compile(
     r"\\[dt]?frac\{-?\d+\}\{\d+\}|-?\d+(?:,\d{3})+(?:\.\d+)?|-?\d*\.\d+|-?\d+(?:/\d+)?"
 )
 _DISJUNCTION = re.compile(r"\bor\b|\beither\b|\\lor\b|\\vee\b|\band/or\b", re.I)
 _NUM_DISJ = re.compile(r"\d\$?\s*,?\s*(?:or|and/or)\s+\$?-?\d", re.I)
+
+
+def _final_line(text: str) -> str:
+    """The last non-empty line, at most its last TAIL_CHARS characters."""
+    end = len(text)
+    while end > 0:
+        start = text.rfind("\n", 0, end) + 1
+        if text[start:end].strip():
+            return text[max(start, end - TAIL_CHARS):end]
+        end = start - 1
+    return ""
 
 
 @dataclass(frozen=True)
@@ -106,15 +116,18 @@ def extract_answer(text: str) -> Extraction:
     last = None
     for last in _MARKER.finditer(text):
         pass
-    if last is not None:
-        ans = _clean(last.group("ans"))
+    if last is not None:  # the last statement, to the end of its line
+        eol = text.find("\n", last.end())
+        rest = text[last.end() : eol if eol >= 0 else len(text)]
+        rest = rest[_MARKER_LEAD.match(rest).end() :]
+        ans = _clean(rest[:TAIL_CHARS])  # bounded: the span regex is not linear
         if ans:
             return Extraction((ans,), "marker", hedged=bool(_DISJUNCTION.search(ans)))
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    if lines:
-        nums = _NUMBER.findall(lines[-1])
+    final = _final_line(text)
+    if final:
+        nums = _NUMBER.findall(final)
         if nums:
-            return Extraction((nums[-1],), "last_number", hedged=bool(_NUM_DISJ.search(lines[-1])))
+            return Extraction((nums[-1],), "last_number", hedged=bool(_NUM_DISJ.search(final)))
     return Extraction((), "none")
 
 
@@ -243,7 +256,7 @@ def serve() -> None:
     import signal
 
     logging.disable(logging.WARNING)  # math-verify warns about the timeouts we handle ourselves
-    mem = int(os.environ.get("GRPOKIT_MATH_MEMORY_MB", "4096")) * 2**20
+    mem = 4096 * 2**20  # sympy on a hostile answer can take all memory; MemoryError is a "no"
     resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
 
     def on_alarm(*_):

@@ -6,13 +6,15 @@ The layers, strongest first (docs/rewards.md, "Sandbox threat model", says what 
 - rlimits + own session (always): CPU seconds, address space, processes, file size, open files,
   no core dumps; wall-clock kill; scrubbed environment; stdout/stderr capped.
 - user namespace (only when not root): lets an unprivileged trainer create the namespaces below.
-- mount namespace: the whole filesystem read-only, a private size-limited tmpfs as /tmp (the
-  working directory), a fresh /proc.
+- mount namespace: the whole filesystem read-only, the trainer's home hidden under an empty
+  tmpfs, a private size-limited tmpfs as /tmp (the working directory), a fresh /proc.
 - pid namespace: the program is pid 1 of its own namespace, sees no other process, and every
   process it starts dies with it (daemons and double forks included).
 - network namespace (+ IPC, UTS): no interface but a down loopback, so no network at all.
 - sandbox uid (only when root): a distinct unprivileged uid per run, so RLIMIT_NPROC actually
   binds, root-only files are unreadable and the trainer cannot be signalled.
+- no capabilities (always): without a sandbox uid the program is root in its namespaces (or a
+  root trainer's uid 0); every capability is dropped and locked away so it cannot remount.
 
 `isolation()` probes the candidates once, strongest first, by running a real job under each, and
 logs one warning naming what is missing when it had to fall back.
@@ -102,12 +104,12 @@ _PROBE_TESTS = "open('probe.txt', 'w').write('ok')\nassert open('probe.txt').rea
 def isolation() -> Isolation:
     """Probe (once per process) and return the strongest isolation that works here.
 
-    `GRPOKIT_SANDBOX=<mode>` forces a mode (one of the `Isolation.mode` values) for debugging.
+    `GRPOKIT_SANDBOX_MODE=<mode>` forces a mode (one of the `Isolation.mode` values).
     """
     with _iso_lock:
         if _iso:
             return _iso[0]
-        forced = os.environ.get("GRPOKIT_SANDBOX", "auto")
+        forced = os.environ.get("GRPOKIT_SANDBOX_MODE", "auto")
         cands = _candidates()
         if forced != "auto":
             cands = [c for c in cands if c.mode == forced] or cands
@@ -204,18 +206,20 @@ def run_job(program: str, tests, *, iso: Isolation | None = None, timeout_s: flo
     if not isinstance(program, str):
         return CodeResult(0, total, "error", detail="program must be a string")
     iso = iso or isolation()
-    token = uuid.uuid4().hex
-    hostdir = None if iso.mountns else tempfile.mkdtemp(prefix="grpokit-sbx-")
+    token = f"{os.getpid()}-{uuid.uuid4().hex}"  # in every sandboxed environment: whose run it is
+    hostdir = None if iso.mountns else tempfile.mkdtemp(prefix=f"grpokit-sbx-{os.getpid()}-")
     workdir = _launcher.SANDBOX_DIR if iso.mountns else hostdir
     cfg = {
         "program": program, "tests": tests, "mode": mode, "timeout_s": timeout_s, "memory_mb": memory_mb,
         "nproc": nproc, "file_mb": file_mb, "disk_mb": disk_mb, "output_cap": output_cap, "site": site,
-        "workdir": workdir, "token": token, "expose": _expose_paths(),
+        "workdir": workdir, "token": token, "expose": _expose_paths(), "hide": [os.path.expanduser("~")],
+        "parent_pid": os.getpid(),
+        "startup_s": STARTUP_TIMEOUT_S,
         "layers": {"userns": iso.userns, "mountns": iso.mountns, "pidns": iso.pidns,
                    "netns": iso.netns, "uid": iso.uid_drop},
     }
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
-           "LANG": "C.UTF-8", "GRPOKIT_SANDBOX": token}
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
+           "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GRPOKIT_SANDBOX": token}
     try:
         return _execute(cfg, env, total, timeout_s, output_cap, t0)
     finally:
@@ -224,9 +228,12 @@ def run_job(program: str, tests, *, iso: Isolation | None = None, timeout_s: flo
 
 
 def _expose_paths() -> list[str]:
-    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))}
-    paths.update(p for p in sys.path if p and os.path.isdir(p))
-    return sorted(paths)
+    """What a sandbox uid must be able to read: the interpreter, its stdlib and site-packages."""
+    import site
+
+    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
+             os.path.dirname(os.__file__), *site.getsitepackages()}
+    return sorted(p for p in paths if p and os.path.isdir(p))
 
 
 def _execute(cfg: dict, env: dict, total: int, timeout_s: float, cap: int, t0: float) -> CodeResult:

@@ -45,6 +45,10 @@ MS_NOATIME, MS_NODIRATIME, MS_RELATIME, MS_STRICTATIME = 1024, 2048, 1 << 21, 1 
 SYS_MOUNT_SETATTR = 442  # same number on every architecture (syscalls added after 5.1 are unified)
 AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = -100, 0x8000, 0x1
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 28, 47, 4
+# SECBIT_NOROOT | _LOCKED | SECBIT_NO_SETUID_FIXUP | _LOCKED | SECBIT_KEEP_CAPS_LOCKED: uid 0 never
+# regains capabilities, on exec or otherwise
+SECUREBITS_LOCKED_DOWN = 0x01 | 0x02 | 0x04 | 0x08 | 0x20
 SANDBOX_DIR = "/tmp"  # the sandbox's working directory when a mount namespace is available
 SANDBOX_UID_BASE = 2_000_000_000  # + the launcher's pid (unique while it runs; pid_max <= 2**22)
 
@@ -98,6 +102,11 @@ def _libc():
     return lib
 
 
+def _prctl(libc, option: int, arg: int) -> int:
+    """prctl(2) where it exists (Linux); elsewhere a no-op that reports success."""
+    return libc.prctl(option, arg, 0, 0, 0) if hasattr(libc, "prctl") else 0
+
+
 def _check(ret: int, what: str) -> None:
     if ret != 0:
         err = ctypes.get_errno()
@@ -109,22 +118,24 @@ def _mount(libc, src, target, fstype, flags, data=None) -> None:
     _check(libc.mount(enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {target}")
 
 
-def _exposures(paths: list[str]) -> dict[str, list[str]]:
-    """For a sandbox uid: the top-most directory on the way to each needed path that "others"
-    cannot traverse (e.g. /root, mode 700, holding a pyenv Python), mapped to the needed paths
-    below it. Each such directory is hidden under a tmpfs and only the needed paths are
-    bind-mounted back, so the interpreter stays usable and the rest stays invisible."""
-    needed = sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)})
+def _overlays(needed: list[str], hide: list[str], untraversable: bool) -> dict[str, list[str]]:
+    """Directories to cover with an empty tmpfs, each mapped to the needed paths below it that are
+    bind-mounted back: the directories in `hide` (the trainer's home: keys, tokens), and with
+    `untraversable` (a sandbox uid) the top-most directory on the way to a needed path that
+    "others" cannot traverse (e.g. /root, mode 700, holding a pyenv Python)."""
+    needed = sorted({os.path.realpath(p) for p in needed if p and os.path.isdir(p)})
     needed = [p for p in needed if not any(p != q and p.startswith(q + "/") for q in needed)]
-    out: dict[str, list[str]] = {}
-    for p in needed:
-        parts = p.strip("/").split("/")
-        for k in range(1, len(parts)):
-            anc = "/" + "/".join(parts[:k])
-            if not os.stat(anc).st_mode & 0o001:
-                out.setdefault(anc, []).append(p)
-                break
-    return out
+    anchors = {os.path.realpath(h) for h in hide if h and os.path.isdir(h)} - {"/"}
+    if untraversable:
+        for p in needed:
+            parts = p.strip("/").split("/")
+            for k in range(1, len(parts)):
+                anc = "/" + "/".join(parts[:k])
+                if not os.stat(anc).st_mode & 0o001:
+                    anchors.add(anc)
+                    break
+    anchors = {a for a in anchors if not any(a != b and a.startswith(b + "/") for b in anchors)}
+    return {a: [p for p in needed if p == a or p.startswith(a + "/")] for a in sorted(anchors)}
 
 
 def _setup_namespaces(cfg: dict) -> None:
@@ -151,14 +162,13 @@ def _setup_namespaces(cfg: dict) -> None:
     if not lay["mountns"]:
         return
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)  # nothing we do propagates to the host
-    if lay["uid"] is not None:
-        for anc, subs in _exposures(cfg["expose"]).items():
-            fds = [os.open(s, os.O_PATH | os.O_DIRECTORY) for s in subs]
-            _mount(libc, "tmpfs", anc, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
-            for s, fd in zip(subs, fds):
-                os.makedirs(s, 0o755, exist_ok=True)
-                _mount(libc, f"/proc/self/fd/{fd}", s, None, MS_BIND | MS_REC)
-                os.close(fd)
+    for anc, subs in _overlays(cfg["expose"], cfg["hide"], lay["uid"] is not None).items():
+        fds = [os.open(s, os.O_PATH | os.O_DIRECTORY) for s in subs]
+        _mount(libc, "tmpfs", anc, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
+        for s, fd in zip(subs, fds):
+            os.makedirs(s, 0o755, exist_ok=True)
+            _mount(libc, f"/proc/self/fd/{fd}", s, None, MS_BIND | MS_REC)
+            os.close(fd)
     _make_readonly(libc)
     owner = 0 if lay["uid"] is None else lay["uid"]
     _mount(libc, "tmpfs", SANDBOX_DIR, "tmpfs", MS_NOSUID | MS_NODEV,
@@ -210,21 +220,64 @@ def _set_limits(cfg: dict) -> None:
 def _child(cfg: dict, go_r: int) -> None:
     lay = cfg["layers"]
     libc = _libc()
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # launcher gone => we are gone
+    _prctl(libc, PR_SET_PDEATHSIG, signal.SIGKILL)  # launcher gone => we are gone
     if os.read(go_r, 1) != b"g":  # wait until the launcher has reported our pid
         os._exit(EXIT_SETUP)  # the launcher died first
-    os.close(go_r)
     if lay["pidns"] and lay["mountns"]:  # a /proc that shows only the sandbox's processes
-        _mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        try:
+            _mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        except OSError:
+            pass  # e.g. a container masks parts of /proc; the host's stays (read-only, other pid ns)
     os.chdir(cfg["workdir"])
     os.umask(0o077)
     _set_limits(cfg)
-    _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
-    if lay["uid"] is not None:
+    _check(_prctl(libc, PR_SET_NO_NEW_PRIVS, 1), "no_new_privs")
+    if lay["uid"] is not None:  # from root to a fresh uid: every capability goes with it
         os.setgroups([])
         os.setgid(lay["uid"])
         os.setuid(lay["uid"])
+        _prctl(libc, PR_SET_PDEATHSIG, signal.SIGKILL)  # a credential change clears it
+    else:
+        _drop_capabilities(libc)
+    os.set_blocking(go_r, False)
+    try:
+        if os.read(go_r, 1) == b"":  # end of file: the launcher died before we re-armed
+            os._exit(EXIT_SETUP)
+    except BlockingIOError:
+        pass  # still alive: it holds the write end until it exits
+    os.close(go_r)
     _Harness(cfg).run()
+
+
+def _drop_capabilities(libc) -> None:
+    """Leave the program no capability at all: without this, root in its user namespace (or a
+    root trainer without a sandbox uid) could simply remount / read-write, or mount anything."""
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    def caps(field: str) -> int:
+        with open("/proc/self/status") as f:
+            vals = [ln.split()[1] for ln in f if ln.startswith(field + ":")]
+        return int(vals[0], 16) if vals else 0
+
+    if not hasattr(libc, "capset") or not os.path.exists("/proc/self/status") or caps("CapPrm") == 0:
+        return  # an unprivileged process outside a user namespace: nothing to drop
+    _check(_prctl(libc, PR_SET_SECUREBITS, SECUREBITS_LOCKED_DOWN), "securebits")
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            last = int(f.read())
+    except (OSError, ValueError):
+        last = 63
+    for cap in range(last + 1):
+        _prctl(libc, PR_CAPBSET_DROP, cap)
+    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    _check(libc.capset(ctypes.byref(Header(0x20080522, 0)), (Data * 2)()), "capset")  # _LINUX_CAPABILITY_VERSION_3
+    if caps("CapEff") or caps("CapPrm"):
+        raise OSError(1, "capabilities still present")
 
 
 def _reap_uid(uid: int) -> None:
@@ -247,6 +300,8 @@ def _reap_marker(token: str) -> None:
     sandbox token (a process that re-executes with a clean environment escapes this)."""
     me = os.getpid()
     needle = f"GRPOKIT_SANDBOX={token}".encode()
+    if not os.path.isdir("/proc"):
+        return
     for _ in range(3):
         for name in os.listdir("/proc"):
             if not name.isdigit() or int(name) == me:
@@ -260,7 +315,12 @@ def _reap_marker(token: str) -> None:
 
 
 def main() -> None:
+    # Die with the trainer thread that started us (it waits for us, so it never exits first on
+    # its own); the child dies with us in turn, and with it the whole pid namespace.
+    _prctl(_libc(), PR_SET_PDEATHSIG, signal.SIGKILL)
     cfg = json.loads(sys.stdin.buffer.read())
+    if os.getppid() != cfg["parent_pid"]:
+        os._exit(EXIT_SETUP)
     fd = os.open("/dev/null", os.O_RDONLY)
     os.dup2(fd, 0)
     os.close(fd)
@@ -299,10 +359,12 @@ def main() -> None:
     # every process in it along), then fall through to the cleanup below.
     reaped = []
     signal.signal(signal.SIGTERM, lambda *_: reaped or os.kill(pid, signal.SIGKILL))
+    # Backstop for a parent that stopped watching: our own wall-clock limit, well past its.
+    signal.signal(signal.SIGALRM, lambda *_: reaped or os.kill(pid, signal.SIGKILL))
+    signal.alarm(int(cfg["timeout_s"] + cfg["startup_s"]) + 5)
     emit({"ev": "pid", "pid": pid})
     os.close(rfd)
-    os.write(go_w, b"g")
-    os.close(go_w)
+    os.write(go_w, b"g")  # go_w stays open until we exit: the child's proof that we live
     _, status = os.waitpid(pid, 0)
     reaped.append(True)
     if not lay["pidns"]:
@@ -406,14 +468,13 @@ class _Harness:
     def run(self) -> None:
         global _TRUSTED_DIRS
         cfg = self.cfg
+        import site  # the module only: site-packages on sys.path, .pth files not executed (fast)
+
+        sites = [d for d in site.getsitepackages() if os.path.isdir(d)]
         if cfg["site"]:
-            import site
-
-            site.main()
-        import sysconfig
-
-        dirs = {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-        _TRUSTED_DIRS = tuple(os.path.realpath(d) + "/" for d in dirs if d) + tuple(d + "/" for d in dirs if d)
+            sys.path.extend(d for d in sites if d not in sys.path)
+        dirs = [os.path.dirname(os.__file__)] + sites
+        _TRUSTED_DIRS = tuple({os.path.realpath(d) + "/" for d in dirs} | {d + "/" for d in dirs})
         try:
             code = compile(cfg["program"], "<program>", "exec")
         except BaseException as e:  # noqa: BLE001 - SyntaxError, ValueError (NUL bytes), MemoryError

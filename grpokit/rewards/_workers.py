@@ -54,22 +54,30 @@ class _Worker:
         return line
 
     def call(self, req: dict, timeout_s: float) -> dict | None:
-        """The reply, or None when `timeout_s` passed (the caller then kills this worker)."""
+        """The reply, or None when the request timed out or killed the worker (the caller then
+        replaces it). Raises WorkerError only when the worker cannot start: a hostile input that
+        crashes the checker must count as a wrong answer, not as "cannot be scored"."""
         if not self.ready:
-            line = self._readline(time.monotonic() + STARTUP_TIMEOUT_S)
+            try:
+                line = self._readline(time.monotonic() + STARTUP_TIMEOUT_S)
+            except WorkerError:
+                line = None
             if line != b"ready":
-                raise WorkerError("checker process did not start")
+                raise WorkerError("checker process did not start (is math-verify installed?)")
             self.ready = True
         self.next_id += 1
         req = dict(req, id=self.next_id)
         try:
             self.proc.stdin.write((json.dumps(req) + "\n").encode())
             self.proc.stdin.flush()
-        except OSError as e:
-            raise WorkerError(f"checker process is gone: {e}") from None
+        except OSError:
+            return None
         deadline = time.monotonic() + timeout_s
         while True:
-            line = self._readline(deadline)
+            try:
+                line = self._readline(deadline)
+            except WorkerError:  # died while working on this request
+                return None
             if line is None:
                 return None
             try:

@@ -27,22 +27,33 @@ from concurrent.futures import ThreadPoolExecutor
 from ._sandbox import CodeResult, Isolation, isolation, run_job, set_isolation  # noqa: F401
 from .registry import register
 
-_FENCE = re.compile(r"^[ \t]*```[ \t]*([A-Za-z0-9_+-]*)[^\n`]*\n(.*?)^[ \t]*```[ \t]*$", re.M | re.S)
+_OPEN = re.compile(r"[ \t]*```[ \t]*([A-Za-z0-9_+-]*)")
+_CLOSE = re.compile(r"[ \t]*```[ \t]*")
 _PYTHON = {"python", "py", "python3", "py3"}
 
 
 def extract_code(completion: str) -> str | None:
     """The last fenced block tagged python (``` python / py / python3), else the last untagged
-    fenced block; None if there is none. An unclosed fence (truncated completion) is ignored."""
+    fenced block; None if there is none. An unclosed fence (truncated completion) is ignored.
+    One pass over the lines (a regex over the whole text is quadratic on many open fences)."""
     if not isinstance(completion, str):
         return None
     tagged, untagged = None, None
-    for m in _FENCE.finditer(completion):
-        lang = m.group(1).lower()
-        if lang in _PYTHON:
-            tagged = m.group(2)
-        elif not lang:
-            untagged = m.group(2)
+    lang, body = None, []  # lang is None outside a block
+    for line in completion.split("\n"):
+        if lang is None:
+            m = _OPEN.match(line)
+            if m:
+                lang, body = m.group(1).lower(), []
+        elif _CLOSE.fullmatch(line):
+            code = "\n".join(body) + "\n"
+            if lang in _PYTHON:
+                tagged = code
+            elif not lang:
+                untagged = code
+            lang = None
+        else:
+            body.append(line)
     code = tagged if tagged is not None else untagged
     return code if code is not None and code.strip() else None
 

@@ -4,7 +4,7 @@
                                               the sample from group statistics, advantage 0)
 
 Containment: a reward that raises, returns the wrong number of values or a non-number, or runs
-past its `timeout_s` scores None for that call's samples, adds 1 to `reward/<name>/errors`, and
+past its `timeout_s` scores None for that call's samples, counts them in `reward/<name>/errors`, and
 logs its first traceback once (logger `grpokit.rewards`). Training never stops for it. A timed
 out reward keeps running in its abandoned daemon thread (Python cannot kill a thread); the
 built-in math and code rewards have their own hard limits, so theirs end on their own.
@@ -16,12 +16,14 @@ fraction of compared samples where they differ, and those samples are appended t
 JSON lines.
 
 Metrics (all floats, per `score` call):
-    reward/<name>/mean        mean over the samples it scored (NaN if none)
-    reward/<name>/errors      failed calls of this reward (0 or 1)
-    reward/<name>/none_frac   fraction of samples it could not score (errors included)
-    reward/total/mean         mean of the finite totals (NaN if none)
-    reward/total/nan_frac     fraction of samples whose total is NaN
-    reward/checker_disagreement, reward/checker_checked, reward/checker/errors   (with CrossCheck)
+    reward/<name>/mean         mean over the samples it scored (NaN if none)
+    reward/<name>/errors       samples that lost their score to a failure of <name> (raise,
+                               timeout, malformed return): the batch size or 0
+    reward/<name>/none_frac    fraction of samples without a score (errors and None returns)
+    reward/total_nan_frac      fraction of samples whose total is NaN
+    reward/checker_disagreement   fraction of compared samples where checker and primary differ
+    reward/checker_checked     samples compared (both scores present)
+    reward/checker/errors      samples lost to a failure of the checker
 """
 
 from __future__ import annotations
@@ -173,7 +175,9 @@ class RewardSet:
 
     @classmethod
     def from_specs(cls, specs, *, crosscheck: CrossCheck | dict | None = None) -> "RewardSet":
-        parsed = [s if isinstance(s, RewardSpec) else RewardSpec.model_validate(s) for s in specs]
+        # specs may also be the trainer's own config models: read them as plain dicts
+        as_dict = lambda x: x.model_dump() if hasattr(x, "model_dump") else x  # noqa: E731
+        parsed = [s if isinstance(s, RewardSpec) else RewardSpec.model_validate(as_dict(s)) for s in specs]
         if not parsed:
             raise ValueError("no rewards configured")
         names = [s.name for s in parsed]
@@ -183,6 +187,8 @@ class RewardSet:
         fns = [get(s.name) for s in parsed]
         parsed = [s.model_copy(update={"args": check_args(s.name, f, s.args)}) for s, f in zip(parsed, fns)]
         checker_fn, checker_args = None, None
+        if crosscheck is not None and not isinstance(crosscheck, CrossCheck):
+            crosscheck = as_dict(crosscheck)
         if isinstance(crosscheck, dict):
             unknown = set(crosscheck) - set(CrossCheck.__dataclass_fields__)
             if unknown:
@@ -230,16 +236,15 @@ class RewardSet:
             per_fn[spec.name] = vals
             scored = [v for v in vals if v is not None]
             metrics[f"reward/{spec.name}/mean"] = sum(scored) / len(scored) if scored else float("nan")
-            metrics[f"reward/{spec.name}/errors"] = float(failed)
+            metrics[f"reward/{spec.name}/errors"] = float(n if failed else 0)
             metrics[f"reward/{spec.name}/none_frac"] = (n - len(scored)) / n if n else 0.0
         total = []
         for i in range(n):
             parts = [per_fn[s.name][i] for s in self.specs]
             total.append(float("nan") if any(p is None for p in parts)
                          else sum(s.weight * p for s, p in zip(self.specs, parts)))
-        finite = [t for t in total if not math.isnan(t)]
-        metrics["reward/total/mean"] = sum(finite) / len(finite) if finite else float("nan")
-        metrics["reward/total/nan_frac"] = (n - len(finite)) / n if n else 0.0
+        n_nan = sum(1 for t in total if math.isnan(t))
+        metrics["reward/total_nan_frac"] = n_nan / n if n else 0.0
         if self.crosscheck is not None:
             metrics.update(self._cross_check(prompts, completions, columns, per_fn))
         return RewardOutput(total, per_fn, metrics)
@@ -298,7 +303,7 @@ class RewardSet:
         checked = self._invoke("checker", self._checker_fn, {**sub_cols, **self._checker_args}, cc.timeout_s,
                                [prompts[i] for i in idx], [completions[i] for i in idx])
         if checked is None:
-            metrics["reward/checker/errors"] = 1.0
+            metrics["reward/checker/errors"] = float(len(idx))
             return metrics
         pairs = [(i, primary[i], c) for i, c in zip(idx, checked) if c is not None]
         bad = [(i, p, c) for i, p, c in pairs if abs(p - c) > cc.tol]

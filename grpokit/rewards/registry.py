@@ -27,8 +27,10 @@ def register(name: str):
     """Decorator: `@register("math_accuracy")` makes the function selectable from config."""
 
     def deco(fn):
-        if name in REGISTRY and REGISTRY[name] is not fn:
-            raise ValueError(f"reward {name!r} is already registered (by {REGISTRY[name].__module__})")
+        old = REGISTRY.get(name)
+        ident = lambda f: (getattr(f, "__module__", None), getattr(f, "__qualname__", None))  # noqa: E731
+        if old is not None and old is not fn and ident(old) != ident(fn):  # a re-definition replaces
+            raise ValueError(f"reward {name!r} is already registered by {ident(old)[0]}.{ident(old)[1]}")
         REGISTRY[name] = fn
         fn.reward_name = name
         return fn

@@ -23,6 +23,8 @@ class SamplingParams:
     top_k: int = 0
     resample_threshold: float | None = None
     """Over-confidence resampling: see `sample_next`."""
+    ignore_eos: bool = False
+    """Do not stop at EOS: every row runs to `max_new_tokens` (EOS tokens stay in the completion)."""
 
 
 @dataclass

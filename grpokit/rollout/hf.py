@@ -1,9 +1,17 @@
 """In-process generation with a transformers causal LM and its KV cache.
 
 Why not `model.generate`: we need the sampler's per-token log-probs, the prompt's forward pass done
-once and shared by its G samples, and finished rows dropped from the batch as soon as they end.
-The loop is small: one prompt forward for the B prompts, `batch_repeat_interleave(G)` on the
-cache, then one batched forward per new token over the rows still running.
+once and shared by its G samples, and finished rows dropped from the batch. The loop is small: one
+prompt forward for the B prompts, its KV cache expanded to the G samples of each, then one batched
+forward per new token over the rows still running.
+
+Two paths. For dense Llama-family models (Qwen2, Llama: `LeanDecoder.supports`) the forward is
+grpokit's own lean one over the model's weights with a preallocated KV cache (grpokit.rollout.
+decoder): a decode step is ~25 tensor operations per layer and no Python machinery beyond the
+sampler, which is what bounds a small model on a CPU. Finished rows are dropped once they are an
+eighth of the batch (dropping means copying the cache; until then they run along and their tokens
+are discarded). Any other model (LoRA-wrapped, quantized, other architectures) runs its own
+forward with a `DynamicCache`, dropping finished rows at once.
 """
 
 from __future__ import annotations
@@ -11,14 +19,19 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from grpokit.gemm import fast_linears
 from grpokit.rollout.base import RolloutBatch, SamplingParams, sample_next
+from grpokit.rollout.decoder import LeanDecoder
 
 
 class HFEngine:
     """Rollout engine over a transformers model (the policy itself: no weight sync needed)."""
 
-    def __init__(self, model, tokenizer):
+    def __init__(self, model, tokenizer, *, lean: bool = True):
+        """`lean`: use grpokit's own forward for models that `LeanDecoder.supports` (same
+        distribution, fewer operations per token); False always runs the model's forward."""
         self.model = model
+        self.lean = lean
         self.tokenizer = tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         eos = tokenizer.eos_token_id
@@ -35,21 +48,118 @@ class HFEngine:
         was_training = model.training
         model.eval()
         try:
-            return self._generate(model, dev, prompt_ids, params, generator)
+            if any(len(p) == 0 for p in prompt_ids):
+                raise ValueError("empty prompt: every prompt needs at least one token")
+            if self.lean and LeanDecoder.supports(model):
+                return self._generate_lean(model, dev, prompt_ids, params, generator)
+            with fast_linears(model):
+                return self._generate(model, dev, prompt_ids, params, generator)
         finally:
             model.train(was_training)
 
-    def _generate(self, model, dev, prompt_ids, params, generator) -> RolloutBatch:
-        if any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("empty prompt: every prompt needs at least one token")
-        B, G, T = len(prompt_ids), params.n, params.max_new_tokens
-        P = max(len(p) for p in prompt_ids)
+    def _prompts(self, prompt_ids, dev):
+        """Left-padded prompt ids and mask, [B, P]."""
+        B, P = len(prompt_ids), max(len(p) for p in prompt_ids)
         ids = torch.full((B, P), self.pad_id, dtype=torch.long)
         mask = torch.zeros((B, P), dtype=torch.long)
-        for i, p in enumerate(prompt_ids):                       # left padding
+        for i, p in enumerate(prompt_ids):
             ids[i, P - len(p):] = torch.tensor(p)
             mask[i, P - len(p):] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
+        return ids.to(dev), mask.to(dev)
+
+    def _batch(self, prompt_ids, G, tokens, logps, eos_at, n_resampled) -> RolloutBatch:
+        """Assemble the result. tokens / logps: [N, T] with anything after a row's end ignored;
+        eos_at: [N] index of the row's first EOS, or -1 when it ran to the length limit."""
+        T = tokens.shape[1]
+        lengths = torch.where(eos_at >= 0, eos_at + 1, T)
+        L = int(lengths.max().item()) if len(lengths) else 0
+        tokens, logps = tokens[:, :L], logps[:, :L]
+        cmask = (torch.arange(L, device=tokens.device)[None, :] < lengths[:, None]).long()
+        tokens = tokens.masked_fill(cmask == 0, self.pad_id).cpu()
+        logps = (logps * cmask).cpu()
+        texts = self.tokenizer.batch_decode(tokens.tolist(), skip_special_tokens=True)
+        return RolloutBatch(
+            prompt_ids=[list(p) for p in prompt_ids for _ in range(G)],
+            completion_ids=tokens, completion_mask=cmask.cpu(), sampler_logprobs=logps,
+            finish_reason=["eos" if e >= 0 else "length" for e in eos_at.tolist()],
+            completions=texts, resampled=int(n_resampled),
+        )
+
+    def _generate_lean(self, model, dev, prompt_ids, params, generator) -> RolloutBatch:
+        B, G, T = len(prompt_ids), params.n, params.max_new_tokens
+        ids, pmask = self._prompts(prompt_ids, dev)
+        P = ids.shape[1]
+        N = B * G
+        dec = LeanDecoder(model, rows=N)
+        dec.alloc(N, P + T - 1)                                  # the last token is never fed back
+        cos_t, sin_t = dec.rope_table(P + T)
+        padded = bool((pmask == 0).any())
+        if padded:                                               # left padding: explicit masks
+            pos = (pmask.cumsum(-1) - 1).clamp(min=0)            # [B, P]
+            cos, sin = cos_t[pos][:, None], sin_t[pos][:, None]  # [B, 1, P, d]
+            valid = pmask.bool()
+            causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+            eye = torch.eye(P, dtype=torch.bool, device=dev)     # pad queries see themselves: no NaN
+            m = ((causal[None] & valid[:, None, :]) | eye[None])[:, None]
+            keymask = torch.ones((N, 1, 1, P + T - 1), dtype=torch.bool, device=dev)
+            keymask[:, 0, 0, :P] = valid.repeat_interleave(G, 0)
+            next_pos = pmask.sum(-1).repeat_interleave(G, 0)     # [N] position of completion token 0
+        else:
+            cos, sin, m = cos_t[:P], sin_t[:P], None
+        logits = dec.forward(ids, 0, cos, sin, m, expand=G)      # [N, V]
+
+        eos = torch.tensor(self.eos_ids, device=dev)
+        out_tok = torch.full((N, T), self.pad_id, dtype=torch.long, device=dev)
+        out_lp = torch.zeros((N, T), dtype=torch.float32, device=dev)
+        tok_buf, lp_buf = torch.empty_like(out_tok), torch.empty_like(out_lp)
+        orig = torch.arange(N, device=dev)                       # row of the full batch, per live row
+        done = torch.zeros(N, dtype=torch.bool, device=dev)
+        n_resampled = torch.zeros((), dtype=torch.long, device=dev)
+        stop_at_eos = not params.ignore_eos
+        rows = N
+        for t in range(T):
+            tok, lp, res = sample_next(logits, params, generator)
+            tok_buf[:, t] = tok
+            lp_buf[:, t] = lp
+            if params.resample_threshold is not None:
+                n_resampled += res.sum()
+            if t == T - 1:
+                break
+            if stop_at_eos:
+                done |= torch.isin(tok, eos)
+                n_done = int(done.sum())
+                if n_done == rows:
+                    break
+                if n_done * 8 >= rows:                           # drop the finished rows
+                    fin, keep = done.nonzero().squeeze(-1), (~done).nonzero().squeeze(-1)
+                    out_tok[orig[fin]] = tok_buf[fin]
+                    out_lp[orig[fin]] = lp_buf[fin]
+                    orig, tok_buf, lp_buf, tok = orig[keep], tok_buf[keep], lp_buf[keep], tok[keep]
+                    dec.select(keep)
+                    if padded:
+                        keymask, next_pos = keymask[keep], next_pos[keep]
+                    done = done[keep]
+                    rows = len(keep)
+            s = P + t                                            # cache column of token t
+            if padded:
+                p = next_pos + t
+                cos, sin, m = cos_t[p][:, None, None], sin_t[p][:, None, None], keymask[..., :s + 1]
+            else:
+                cos, sin, m = cos_t[s], sin_t[s], None
+            logits = dec.forward(tok[:, None], s, cos, sin, m)
+        out_tok[orig] = tok_buf
+        out_lp[orig] = lp_buf
+        if stop_at_eos:
+            hit = torch.isin(out_tok, eos)
+            hit[:, t + 1:] = False                               # columns never sampled
+            eos_at = torch.where(hit.any(-1), hit.int().argmax(-1), -1)
+        else:
+            eos_at = torch.full((N,), -1, dtype=torch.long, device=dev)
+        return self._batch(prompt_ids, G, out_tok, out_lp, eos_at, n_resampled)
+
+    def _generate(self, model, dev, prompt_ids, params, generator) -> RolloutBatch:
+        B, G, T = len(prompt_ids), params.n, params.max_new_tokens
+        ids, mask = self._prompts(prompt_ids, dev)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
 
         cache = DynamicCache()
@@ -76,7 +186,7 @@ class HFEngine:
             tokens[active, t] = tok
             logps[active, t] = lp
             lengths[active] += 1
-            done = torch.isin(tok, eos)
+            done = torch.isin(tok, eos) if not params.ignore_eos else torch.zeros_like(tok, dtype=torch.bool)
             if done.any():
                 finished_eos[active[done]] = True
             if t == T - 1:
@@ -94,15 +204,5 @@ class HFEngine:
             logits = out.logits[:, -1]
             next_pos = next_pos + 1
 
-        L = int(lengths.max().item()) if N else 0
-        tokens, logps = tokens[:, :L], logps[:, :L]
-        cmask = (torch.arange(L, device=dev)[None, :] < lengths[:, None]).long()
-        tokens = tokens.masked_fill(cmask == 0, self.pad_id)
-        logps = logps * cmask
-        texts = self.tokenizer.batch_decode(tokens.cpu().tolist(), skip_special_tokens=True)
-        return RolloutBatch(
-            prompt_ids=[list(p) for p in prompt_ids for _ in range(G)],
-            completion_ids=tokens.cpu(), completion_mask=cmask.cpu(), sampler_logprobs=logps.cpu(),
-            finish_reason=["eos" if f else "length" for f in finished_eos.tolist()],
-            completions=texts, resampled=int(n_resampled),
-        )
+        eos_at = torch.where(finished_eos, lengths - 1, -1)
+        return self._batch(prompt_ids, G, tokens, logps, eos_at, n_resampled)

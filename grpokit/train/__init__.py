@@ -8,6 +8,19 @@ import logging
 log = logging.getLogger("grpokit.train")
 
 
+def build_rewards(cfg, *, run_dir=None):
+    """The run's RewardSet, with the cross-checker when one is configured."""
+    from pathlib import Path
+
+    from grpokit.rewards import CrossCheck, RewardSet
+
+    cc = None
+    if cfg.crosscheck is not None:
+        dump = Path(run_dir or cfg.train.run_dir) / "disagreements.jsonl"
+        cc = CrossCheck(**cfg.crosscheck.model_dump(), dump_path=dump, seed=cfg.train.seed)
+    return RewardSet.from_specs([s.model_dump() for s in cfg.rewards], crosscheck=cc)
+
+
 def build_health(cfg):
     """The health monitor, with the thresholds that live elsewhere in the config filled in: the KL
     controller's upper target for `kl_climbing`, the guard's tolerance for `ref_drift`."""
@@ -24,21 +37,20 @@ def build_health(cfg):
 
 def build_trainer(cfg, *, model=None, tokenizer=None, health=True):
     from grpokit.data.datasets import load_prompts
-    from grpokit.rewards import RewardSet
     from grpokit.train.loop import Trainer
-    from grpokit.train.model import check_round_trip, load_model, load_tokenizer
+    from grpokit.train.lora import build_policy
+    from grpokit.train.model import check_round_trip, load_tokenizer
 
     m = cfg.model
     if tokenizer is None:
         tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)
-    if model is None:
-        model = load_model(m.path, dtype=m.dtype, device=m.device,
-                           gradient_checkpointing=m.gradient_checkpointing, trust_remote_code=m.trust_remote_code)
+    # the policy (LoRA / QLoRA when lora.enabled) and its reference: "adapter_off", a placed copy, or None
+    model, reference = build_policy(cfg, model)
     d = cfg.data
     dataset = load_prompts(d.path, prompt_field=d.prompt_field, answer_field=d.answer_field)
     eval_ds = load_prompts(d.eval_path, prompt_field=d.prompt_field, answer_field=d.answer_field) if d.eval_path else None
     sample = [r["prompt"] for r in dataset.rows[:8] if isinstance(r["prompt"], str)]
     check_round_trip(tokenizer, sample)
-    rewards = RewardSet.from_specs([s.model_dump() for s in cfg.rewards])
+    rewards = build_rewards(cfg)
     monitor = build_health(cfg) if health else None
-    return Trainer(cfg, model, tokenizer, dataset, rewards, eval_dataset=eval_ds, health=monitor)
+    return Trainer(cfg, model, tokenizer, dataset, rewards, eval_dataset=eval_ds, health=monitor, reference=reference)

@@ -3,8 +3,14 @@
 Layout: RUN_DIR/checkpoints/step_000010/ holds a loadable Hugging Face model directory (so
 `grpokit eval --model` works on it) plus `trainer_state.pt` (optimizer, scheduler, KL controller,
 data position, RNG states, step). A folder without its `COMPLETE` marker is never used, so a process
-killed mid-write leaves the previous checkpoint as the latest. `healthy` checkpoints (the last one
-written while no guard had fired) are kept apart from the last K.
+killed mid-write leaves the previous checkpoint as the latest; a folder being deleted is first
+renamed away, so no `step_*` folder is ever half-deleted either. The last *healthy* checkpoint (no
+update skipped by the non-finite guard since the one before it), named in `checkpoints/HEALTHY`, is
+kept apart from the last K; it is where `Trainer.rollback` goes.
+
+A LoRA policy's checkpoint holds its adapters (`lora.save: adapter`; `grpokit eval` finds the base
+through adapter_config.json) or the merged model plus the adapters in `adapter/` (`merged`); resume
+and rollback load the adapters (grpokit.train.lora).
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import shutil
 from pathlib import Path
 
 import torch
+
+from grpokit.train.lora import is_peft, load_adapter_weights, save_policy
 
 MARKER = "COMPLETE"
 
@@ -30,8 +38,32 @@ def _fsync_dir(path: Path) -> None:
         pass
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    """Write a small file so that a reader sees the old or the new content, never a partial one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _discard(root: Path, ckpt: Path) -> None:
+    """Delete a checkpoint folder: first renamed out of `step_*` (one atomic step), then removed, so
+    a process killed while deleting never leaves a `step_*` folder with some files gone."""
+    trash = root / f".trash_{ckpt.name}_{os.getpid()}"
+    try:
+        os.replace(ckpt, trash)
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, *, keep_last: int = 2,
-                    healthy: bool = True) -> Path:
+                    healthy: bool = True, merged: bool = False) -> Path:
+    """Write RUN_DIR/checkpoints/step_NNNNNN atomically: into `.tmp_step_*`, every file fsynced, the
+    COMPLETE marker last, then one rename. Returns the checkpoint's path."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
@@ -39,20 +71,24 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, *, 
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    model.save_pretrained(tmp, safe_serialization=True)
+    save_policy(model, tmp, merged=merged)      # a LoRA policy: adapters, or merged + adapter/ (lora.save)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     torch.save(state, tmp / "trainer_state.pt")
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
     (tmp / MARKER).write_text(json.dumps({"step": step, "healthy": healthy}))
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    if final.exists():
-        shutil.rmtree(final)
+    with open(tmp / MARKER, "rb") as fh:
+        os.fsync(fh.fileno())
+    _fsync_dir(tmp)
+    if final.exists():          # the same step saved again (e.g. step 0 of a restarted run)
+        _discard(root, final)
     os.replace(tmp, final)
     _fsync_dir(root)
     if healthy:
-        (root / "HEALTHY").write_text(final.name)
+        _write_atomic(root / "HEALTHY", final.name)
     _prune(root, keep_last)
     return final
 
@@ -85,9 +121,11 @@ def _prune(root: Path, keep_last: int) -> None:
     healthy = healthy_checkpoint(root.parent)
     for p in list_checkpoints(root.parent):
         if p not in keep and p != healthy:
-            shutil.rmtree(p, ignore_errors=True)
-    for stale in root.glob(".tmp_step_*"):         # left by a killed writer
+            _discard(root, p)
+    for stale in [*root.glob(".tmp_step_*"), *root.glob(".trash_step_*")]:   # left by a killed process
         shutil.rmtree(stale, ignore_errors=True)
+    for stale in root.glob(".HEALTHY.*.tmp"):
+        stale.unlink(missing_ok=True)
 
 
 def load_state(ckpt: Path) -> dict:
@@ -95,8 +133,11 @@ def load_state(ckpt: Path) -> dict:
 
 
 def load_weights(model, ckpt: Path) -> None:
-    """Load the policy weights of a checkpoint into `model` in place."""
+    """Load the policy weights of a checkpoint into `model` in place (a LoRA policy: its adapters)."""
     from safetensors.torch import load_file
+
+    if is_peft(model):
+        return load_adapter_weights(model, ckpt)
 
     files = sorted(Path(ckpt).glob("*.safetensors"))
     if not files:

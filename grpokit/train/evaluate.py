@@ -15,10 +15,12 @@ def _passes(values: list, threshold: float) -> list[bool]:
 
 @torch.no_grad()
 def evaluate(engine, encoder, reward_set, dataset, cfg, *, samples: int = 0, generator=None,
-             batch_prompts: int = 64, threshold: float = 1.0) -> dict:
-    """`eval/pass@1`: fraction of prompts whose greedy completion scores >= threshold on the first
-    reward function; `eval/mean@k`: mean fraction over k sampled completions at the run's temperature.
+             batch_prompts: int = 64) -> dict:
+    """`eval/pass@1`: fraction of prompts whose greedy completion scores >= `algorithm.pass_threshold`
+    on the first reward function; `eval/mean@k`: mean fraction over k sampled completions at the
+    run's temperature.
     """
+    threshold = cfg.algorithm.pass_threshold
     rows = dataset.rows[: cfg.data.eval_size or None]
     primary = cfg.rewards[0].name
     out = {}

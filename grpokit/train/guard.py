@@ -36,3 +36,7 @@ def diagnose(*, rewards: torch.Tensor | None = None, advantages: torch.Tensor | 
     if not grad_finite:
         return "non-finite gradients (overflow in backward)"
     return "non-finite loss (cause not identified)"
+
+
+class ReferenceDriftError(RuntimeError):
+    """The frozen reference's log-probs on the probe batch moved (raised with `guard.ref_strict`)."""

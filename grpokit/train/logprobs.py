@@ -11,10 +11,13 @@ their own longest prompt and completion, so padding stays small.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from grpokit.gemm import fast_linears
 
 
 def unwrap(model):
@@ -30,6 +33,23 @@ def backbone_and_head(model):
         raise ValueError(f"{type(m).__name__}: cannot find the decoder and LM head of this model")
     softcap = getattr(m.config, "final_logit_softcapping", None)
     return backbone, head, softcap
+
+
+@contextlib.contextmanager
+def layer_checkpointing(backbone, enabled: bool):
+    """Make `model.gradient_checkpointing` act although the policy is in eval mode: transformers
+    checkpoints a decoder layer only when that layer's `training` flag is set. The flag is set on the
+    checkpointed layers alone (not their submodules, so no dropout turns on) for this forward pass;
+    the recomputation in backward does not read it again."""
+    layers = [m for m in backbone.modules() if getattr(m, "gradient_checkpointing", False) is True
+              and not m.training] if enabled else []
+    for m in layers:
+        m.training = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.training = False
 
 
 @dataclass
@@ -96,11 +116,17 @@ def completion_logprobs(model, mb: MicroBatch, *, temperature: float = 1.0, chun
     Logits are divided by `temperature`, matching the distribution the sampler drew from.
     Padding positions hold 0.
     """
+    with fast_linears(model):
+        return _completion_logprobs(model, mb, temperature, chunk_tokens, want_entropy, logits_budget_bytes)
+
+
+def _completion_logprobs(model, mb, temperature, chunk_tokens, want_entropy, logits_budget_bytes):
     backbone, head, softcap = backbone_and_head(model)
     dev = head.weight.device
     ids, att = mb.input_ids.to(dev), mb.attention_mask.to(dev)
     pos = (att.cumsum(-1) - 1).clamp(min=0)
-    hidden = backbone(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=False).last_hidden_state
+    with layer_checkpointing(backbone, torch.is_grad_enabled()):
+        hidden = backbone(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=False).last_hidden_state
     P, L = mb.prompt_len, mb.targets.shape[1]
     h = hidden[:, P - 1:P - 1 + L]                         # [m, L, H] states that predict the completion
     targets = mb.targets.to(dev)

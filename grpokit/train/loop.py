@@ -42,9 +42,10 @@ from grpokit.rollout.hf import HFEngine
 from grpokit.train import checkpoint as ckpt_lib
 from grpokit.train.dropout import hidden_dropout
 from grpokit.train.evaluate import evaluate
-from grpokit.train.guard import NonFiniteStep, diagnose
+from grpokit.train.guard import NonFiniteStep, ReferenceDriftError, diagnose
 from grpokit.train.logprobs import MicroBatch, build_micro_batch, completion_logprobs, padding_fraction, plan_micro_batches
 from grpokit.train.model import frozen_copy
+from grpokit.train.reference import RefLogprobCache, swapped_in
 from grpokit.train.prompts import PromptEncoder
 
 log = logging.getLogger("grpokit.train")
@@ -97,6 +98,30 @@ def lr_lambda(cfg: Config, total: int):
     return f
 
 
+def _num(v) -> float | None:
+    return None if v is None else float(v)
+
+
+_NOTHING_SEEN = (0.0, math.inf)   # (largest ratio, smallest log-prob) of a mini-batch, for the guard
+
+
+def _truncate_jsonl(path: Path, step: int) -> None:
+    """Drop the rows of a JSONL log whose `step` is after `step` (on resume); atomic."""
+    import json
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if int(json.loads(line).get("step", 0)) <= step:
+                keep.append(line + "\n")
+        except (ValueError, TypeError, AttributeError):
+            continue
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(keep))
+    os.replace(tmp, path)
+
+
 @dataclass
 class StepData:
     """Everything the update needs about one rollout batch."""
@@ -138,7 +163,7 @@ class Trainer:
     """GRPO-family trainer over a transformers causal LM. Build it with `grpokit.train.build_trainer`."""
 
     def __init__(self, cfg: Config, model, tokenizer, dataset, reward_set, *, eval_dataset=None,
-                 reference=None, engine=None, health=None, console=None):
+                 reference=None, engine=None, health=None):
         """`reference`: a frozen model, the string "adapter_off" (a PEFT policy with its adapters
         disabled serves as the reference: no second copy of the weights), or None (a frozen copy
         of `model` is made when beta > 0)."""
@@ -168,13 +193,14 @@ class Trainer:
         self.gen.manual_seed(cfg.train.seed)
         self.step_idx = 0
         self.health = health
-        self.console = console
         self.sink = MetricSink(self.run_dir, tensorboard=cfg.train.tensorboard)
         self.skipped_steps = 0
         self.rollbacks = 0
         self.consecutive_bad = 0
         self.bad_since_save = False
         self.ref_probe: tuple[list[MicroBatch], dict[int, torch.Tensor]] | None = None
+        k = cfg.algorithm.kl
+        self.ref_cache = RefLogprobCache(k.ref_cache) if (k.ref_cache and k.ref_dropout == 0) else None
         self.proxy_rules = ProxyRules(**cfg.algorithm.sample_filter.model_dump())
         cur = cfg.data.curriculum
         self.curriculum = (Curriculum(start=cur.start, end=cur.end, ramp_steps=cur.ramp_steps, pool_factor=cur.pool_factor,
@@ -186,7 +212,8 @@ class Trainer:
         r = self.cfg.rollout
         prompt_ids = [self.encoder.encode(row["prompt"]) for row in rows]
         params = SamplingParams(n=r.group_size, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                                top_p=r.top_p, top_k=r.top_k, resample_threshold=r.resample_threshold)
+                                top_p=r.top_p, top_k=r.top_k, resample_threshold=r.resample_threshold,
+                                ignore_eos=r.ignore_eos)
         return self.engine.generate(prompt_ids, params, self.gen)
 
     def score(self, rows: list[dict], batch: RolloutBatch):
@@ -227,28 +254,55 @@ class Trainer:
         if self.ref_adapter_off:
             with self.model.disable_adapter(), hidden_dropout(self.model, p):
                 return self.logprobs_of(self.model, mbs)
-        with hidden_dropout(self.reference, p):
+        with hidden_dropout(self.reference, p), swapped_in(self.reference, self.device,
+                                                           self.cfg.algorithm.kl.ref_device == "swap"):
             return self.logprobs_of(self.reference, mbs)
 
+    def cached_ref_logprobs(self, batch: RolloutBatch, rows: list[int], mbs: list[MicroBatch]) -> dict[int, torch.Tensor]:
+        """Reference log-probs through the cache (`algorithm.kl.ref_cache`, seed 3.4): a sample with the
+        same prompt and completion token ids as one seen before (or earlier in this batch) reuses them."""
+        if self.ref_cache is None:
+            return self.ref_logprobs(mbs)
+        keys = {r: self.ref_cache.key(batch.prompt_ids[r], batch.completion_ids[r, :int(batch.completion_mask[r].sum())])
+                for r in rows}
+        return self.ref_cache.fetch(keys, lambda todo: self.ref_logprobs(self.micro_batches(batch, todo)))
+
     def check_reference(self, batch: RolloutBatch) -> float | None:
-        """Reference integrity: log-probs on a fixed probe batch must not move (seed 5.3)."""
-        if self.reference is None or not self.cfg.guard.ref_check_every:
+        """Reference integrity (seed 5.3). The first call records the reference's log-probs on a fixed
+        probe batch (the first rows of this batch); every `guard.ref_check_every` steps they are
+        recomputed. Returns the largest absolute change in nats (NaN when they stopped being finite),
+        or None when nothing was checked. A change beyond `guard.ref_tolerance` is logged (the
+        `ref_drift` alarm reads `ref/integrity_drift`) or, with `guard.ref_strict`, raised."""
+        g = self.cfg.guard
+        if self.reference is None or not g.ref_check_every:
             return None
         if self.ref_probe is None:
             mbs = self.micro_batches(batch, list(range(min(8, len(batch)))))
-            self.ref_probe = (mbs, self.ref_logprobs(mbs))
+            self.ref_probe = (mbs, self._probe_logprobs(mbs))
             return 0.0
-        if self.step_idx % self.cfg.guard.ref_check_every:
+        if (self.step_idx + 1) % g.ref_check_every:
             return None
         mbs, base = self.ref_probe
-        now = self.ref_logprobs(mbs)
-        drift = max(float((now[r] - base[r]).abs().max()) if len(base[r]) else 0.0 for r in base)
-        if drift > self.cfg.guard.ref_tolerance:
-            msg = f"reference log-probs drifted by {drift:.3g} nats on the probe batch (tolerance {self.cfg.guard.ref_tolerance})"
-            if self.cfg.guard.ref_strict:
-                raise RuntimeError(msg + ": the reference model changed (guard.ref_strict)")
+        now = self._probe_logprobs(mbs)
+        diffs = torch.cat([(now[r] - base[r].float().cpu()).abs() for r in base])   # every probe token
+        drift = float(diffs.max()) if diffs.numel() else 0.0                   # max propagates NaN
+        if not drift <= g.ref_tolerance:
+            msg = (f"reference log-probs drifted by {drift:.3g} nats on the probe batch "
+                   f"(tolerance {g.ref_tolerance:g})")
+            if g.ref_strict:
+                raise ReferenceDriftError(msg + ": the reference model changed (guard.ref_strict)")
             log.warning(msg)
         return drift
+
+    def _probe_logprobs(self, mbs: list[MicroBatch]) -> dict[int, torch.Tensor]:
+        """The reference's log-probs on the probe, on the CPU; without reference dropout, which would
+        make them random."""
+        if self.ref_adapter_off:
+            with self.model.disable_adapter():
+                out = self.logprobs_of(self.model, mbs)
+        else:
+            out = self.logprobs_of(self.reference, mbs)
+        return {r: v.float().cpu() for r, v in out.items()}
 
     def update(self, data: StepData, beta: float) -> dict:
         """mu passes over mini-batches. Losses are summed over the micro-batches of a mini-batch (they
@@ -335,10 +389,11 @@ class Trainer:
         L = logp.shape[1]
         mask = data.loss_mask[rows, :L].to(dev).to(logp.dtype)
         valid = logp.detach()[mask.bool()]
-        if not torch.isfinite(valid).all():
-            raise NonFiniteStep(diagnose(logp_finite=False))
-        old = _stack(data.old_logp, rows, L, dev) if data.old_logp else logp.detach()
         adv = data.advantages[rows].to(dev, logp.dtype)
+        if not torch.isfinite(valid).all():
+            self._guard_seen = _NOTHING_SEEN
+            raise NonFiniteStep(diagnose(advantages=adv, logp_finite=False))
+        old = _stack(data.old_logp, rows, L, dev) if data.old_logp else logp.detach()
         kw = dict(eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip, max_len=self.cfg.rollout.max_new_tokens,
                   ratio_level=a.ratio_level, num_tokens=n_tok, num_seqs=n_seq)
         pg, st = loss_lib.policy_loss(logp, old, adv, mask, agg=a.loss_agg, **kw)
@@ -360,7 +415,12 @@ class Trainer:
             out["kl/ref"] = float((kl_tok.detach() * mask).sum()) / max(ntok, 1)
         if not torch.isfinite(total.detach()):
             lp_min = float(valid.min()) if valid.numel() else None
-            raise NonFiniteStep(diagnose(ratio_max=st.get("ratio_max"), logp_min=lp_min))
+            self._guard_seen = _NOTHING_SEEN
+            raise NonFiniteStep(diagnose(advantages=adv, ratio_max=_num(st.get("ratio_max")), logp_min=lp_min))
+        # what the guard needs to name the cause if the gradient of this mini-batch overflows
+        rm, lm = getattr(self, "_guard_seen", _NOTHING_SEEN)
+        self._guard_seen = (max(rm, _num(st.get("ratio_max")) or 0.0),
+                            min(lm, float(valid.min())) if valid.numel() else lm)
         total.backward()
         out["loss/total"] = float(total.detach())
         out["policy/entropy"] = float((ent * mask).sum()) / max(ntok, 1)
@@ -375,10 +435,14 @@ class Trainer:
             self.scheduler.step()
             return 0.0
         gn = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.max_grad_norm)
+        ratio_max, logp_min = getattr(self, "_guard_seen", _NOTHING_SEEN)
+        self._guard_seen = _NOTHING_SEEN
         if not torch.isfinite(gn):
-            # the non-finite guard: this update never reaches the weights
+            # the non-finite guard: this update never reaches the weights; the cause is named in the
+            # seed's order (a ratio overflow or extreme log-probs before the gradient itself)
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
+            self.bad_causes.append(diagnose(ratio_max=ratio_max, logp_min=logp_min, grad_finite=False))
             return float("nan")
         self.optimizer.step()
         self.scheduler.step()
@@ -421,12 +485,13 @@ class Trainer:
                 kept_idx += [idx[g] for g in take]
             if len(kept_idx) >= P:
                 break
-            if r == rounds - 1 and not kept:
-                kept_idx, kept = idx, [(batch, scored)]
+        n_varied = len(kept_idx) if cfg.rollout.dynamic_sampling else P
+        if not kept:
+            kept_idx, kept = idx, [(batch, scored)]
         batch = concat_batches([b for b, _ in kept], self.tokenizer.pad_token_id)
         scored = Scored.concat([s for _, s in kept])
         info = {"time/rollout": t_roll, "time/reward": t_rew, "dynamic/rounds": float(r + 1),
-                "dynamic/kept_groups": float(len(kept_idx))}
+                "dynamic/kept_groups": float(n_varied)}
         return kept_idx, batch, scored, info
 
     def step(self) -> dict:
@@ -461,14 +526,18 @@ class Trainer:
         all_rows = list(range(len(batch)))
         mbs = self.micro_batches(batch, all_rows) if (self.reference is not None and beta > 0) else []
         if mbs:
-            data.ref_logp = self.ref_logprobs(mbs)
+            data.ref_logp = self.cached_ref_logprobs(batch, all_rows, mbs)
         kl_seq = None
         if a.kl.in_reward and data.ref_logp:                 # KL in the reward: r <- r - beta * sum_t k1
             pol = self.logprobs_of(self.model, mbs)
             data.old_logp = pol
             kl_seq = torch.tensor([float((pol[i] - data.ref_logp[i]).sum()) for i in all_rows], dtype=torch.float64)
             rewards = rewards - beta * kl_seq
-        if (a.mu > 1 or a.mini_batches > 1) and not data.old_logp:
+        if cfg.rollout.resample_threshold is not None:
+            # over-confidence resampling: pi_old is the distribution actually sampled from (q), so
+            # the ratio pi_theta / q corrects for the intervention (docs/variants.md)
+            data.old_logp = {i: batch.sampler_logprobs[i, :int(batch.completion_mask[i].sum())] for i in all_rows}
+        elif (a.mu > 1 or a.mini_batches > 1) and not data.old_logp:
             data.old_logp = self.logprobs_of(self.model, mbs or self.micro_batches(batch, all_rows))
         timings["time/logprobs"] = time.perf_counter() - t
 
@@ -503,6 +572,8 @@ class Trainer:
             "rollout/resampled": float(batch.resampled),
             **scored.metrics, **upd, **timings,
         }
+        if self.ref_cache is not None and mbs:
+            m.update(self.ref_cache.metrics())
         if drift is not None:
             m["ref/integrity_drift"] = drift
         m["memory/rss_mb"] = rss_mb()
@@ -552,6 +623,7 @@ class Trainer:
             group["lr"] = base * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
         self.rollbacks += 1
         self.consecutive_bad = 0
+        self.bad_since_save = False          # the weights are the healthy checkpoint's again
         log.warning("rolled back to %s after %d bad steps (%s); learning rate x%g", ck.name,
                     g.max_consecutive_bad, cause, g.rollback_lr_factor)
         self._event({"event": "rollback", "step": self.step_idx + 1, "to": ck.name, "cause": cause,
@@ -602,18 +674,22 @@ class Trainer:
         """Checkpoint; it counts as healthy when no update was skipped since the previous one."""
         path = ckpt_lib.save_checkpoint(self.run_dir, self.step_idx, self.model, self.tokenizer,
                                         self.state_dict(), keep_last=self.cfg.train.keep_last,
-                                        healthy=not self.bad_since_save)
+                                        healthy=not self.bad_since_save, merged=self.cfg.lora.save == "merged")
         self.bad_since_save = False
         return path
 
     def resume(self) -> bool:
         """Restore the latest complete checkpoint of run_dir; False when there is none."""
         ck = ckpt_lib.latest_checkpoint(self.run_dir)
-        if ck is None:
+        if ck is None:      # starting again from step 0: rows of an earlier attempt would repeat
+            self.sink.truncate_after(0)
+            for name in ("guard.jsonl", "alarms.jsonl"):
+                _truncate_jsonl(self.run_dir / name, 0)
             return False
         ckpt_lib.load_weights(self.model, ck)
         self.load_state_dict(ckpt_lib.load_state(ck))
         self.sink.truncate_after(self.step_idx)
+        _truncate_jsonl(self.run_dir / "guard.jsonl", self.step_idx)
         log.info("resumed from %s (step %d)", ck, self.step_idx)
         return True
 

@@ -39,7 +39,7 @@ def _check_dir(path: str | Path) -> Path:
         raise ModelLoadError("no model path given (set model.path to a local Hugging Face model directory)")
     if not p.is_dir():
         raise ModelLoadError(f"model directory not found: {p} (grpokit never downloads models; give a local path)")
-    if not (p / "config.json").is_file():
+    if not (p / "config.json").is_file() and not (p / "adapter_config.json").is_file():
         raise ModelLoadError(f"{p}: not a Hugging Face model directory (no config.json)")
     return p
 
@@ -54,6 +54,9 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     p = _check_dir(path)
+    if not (p / "tokenizer_config.json").is_file() and (p / "adapter_config.json").is_file():
+        from grpokit.train.lora import resolve_base
+        p = resolve_base(p)                 # LoRA adapters saved without a tokenizer: the base's
     cfg_file = p / "tokenizer_config.json"
     saved_class = json.loads(cfg_file.read_text()).get("tokenizer_class") if cfg_file.is_file() else None
     if saved_class in _GENERIC_TOKENIZERS and (p / "tokenizer.json").is_file():
@@ -82,6 +85,9 @@ def load_model(path: str | Path, *, dtype: str = "auto", device: str = "auto",
     from transformers import AutoModelForCausalLM
 
     p = _check_dir(path)
+    if not (p / "config.json").is_file():   # LoRA adapters alone: their base + the adapters
+        from grpokit.train.lora import load_adapter_model
+        return load_adapter_model(p, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     dev = resolve_device(device)
     try:
         model = AutoModelForCausalLM.from_pretrained(

@@ -40,6 +40,8 @@ CASES = [
     ("**Final Answer:** 3.5", "7/2", T, "bold 'Final Answer:'"),
     ("So the final answer is $\\frac{2}{3}$ of the cake.", r"\frac23", T, "math span after 'answer is'"),
     ("The answer is 15. I hope that helps with 99 other things.", "15", T, "statement cut at the sentence end"),
+    ("Answer: 3. Wait, no: the answer is 4.", "4", T, "the last statement wins, even on the same line"),
+    ("Answer: 3. Wait, no: the answer is 4.", "3", F, "an earlier statement on the same line is superseded"),
     ("The answer is 1,000,000", "1000000", T, "thousands separators"),
     ("answer: 1{,}234", "1234", T, "LaTeX thousands separator {,}"),
     (r"Answer: 1\,234", "1234", T, r"LaTeX thin-space thousands separator"),
@@ -195,7 +197,7 @@ def test_pathological_input_returns_false_within_two_seconds():
     assert verify(r"\boxed{2}", "2") is True  # and the pool recovered
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(st.text(alphabet=st.sampled_from(list("\\{}^_()[],.$=-+0123456789xboxedfrac ")), max_size=60), st.text(max_size=20))
 def test_never_raises(completion, reference):
     assert verify(completion, reference, timeout_s=1.0) in (True, False)
@@ -251,3 +253,49 @@ def test_alt_checker_is_independent_on_hedges():
     hedge = r"It is \boxed{4} or maybe \boxed{3}"
     assert verify(hedge, "3") is False
     assert judge_alt(hedge, "3") is True  # last box only: the disagreement CrossCheck reports
+
+
+def test_a_checker_crash_scores_zero_and_the_pool_recovers(monkeypatch):
+    import os
+    import signal
+
+    from grpokit.rewards import _workers
+
+    assert verify(r"\boxed{1.0}", "1") is True  # a worker is up
+    real_call = _workers._Worker.call
+
+    def crash_then_call(self, req, timeout_s):
+        os.kill(self.proc.pid, signal.SIGKILL)  # as if the input had crashed sympy
+        return real_call(self, req, timeout_s)
+
+    monkeypatch.setattr(_workers._Worker, "call", crash_then_call)
+    assert REGISTRY["math_accuracy"](["p"], [r"\boxed{2.0}"], answer=["2"]) == [0.0]  # not None: no escape hatch
+    monkeypatch.setattr(_workers._Worker, "call", real_call)
+    assert verify(r"\boxed{2.0}", "2") is True
+
+
+def test_no_checker_means_cannot_score(monkeypatch, tmp_path):
+    from grpokit.rewards import math as M
+    from grpokit.rewards._workers import WorkerPool
+
+    broken = tmp_path / "broken_checker.py"
+    broken.write_text("raise SystemExit(1)\n")
+    pool = WorkerPool(str(broken), size=1)
+    monkeypatch.setattr(M, "_pool", [pool])
+    assert REGISTRY["math_accuracy"](["p", "p"], [r"\boxed{2.0}", r"\boxed{2}"], answer=["2", "2"]) == [None, 1.0]
+    pool.close()
+
+
+@pytest.mark.parametrize("text", [
+    "The answer is " + "\\(" * 100_000,  # was quadratic in the math-span regex (minutes)
+    "The answer is " + "$a" * 100_000,
+    "\\boxed{" * 30_000,
+    "{" * 200_000,
+    "1 or " * 40_000,
+    "\\" * 200_000,
+], ids=["open-parens", "dollars", "open-boxes", "braces", "or-list", "backslashes"])
+def test_huge_adversarial_completions_stay_within_the_limit(text):
+    t0 = time.monotonic()
+    assert verify(text, "1") is False
+    judge_alt(text, "1")  # (no hedging rule there: "1 or 1 or ..." ends in 1)
+    assert time.monotonic() - t0 < 5.0

@@ -93,3 +93,20 @@ def test_a_throwing_reward_does_not_stop_training(setup):
     assert tr.step_idx == 2
     assert m["reward/test_always_raises/errors"] >= 1
     assert m["group/frac_zero_std"] == 1.0                 # every sample excluded -> advantage 0
+
+
+def test_rewards_and_crosscheck_plug_in_from_yaml(setup, tmp_path):
+    root, model_dir, train, _ = setup
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text(
+        "rewards:\n"
+        "  - {name: math_accuracy, weight: 1.0}\n"
+        "  - {name: soft_overlong, weight: 0.5, args: {max_len: 4, cache: 2}}\n"
+        "crosscheck: {primary: math_accuracy, checker: math_accuracy_alt, fraction: 1.0}\n")
+    over = [o for o in small_overrides(model_dir, train, root / "xcheck") if not o.startswith("rewards=")]
+    tr = build_trainer(load_config(str(cfg_file), over), health=False)
+    m = tr.step()
+    assert "reward/math_accuracy/mean" in m and "reward/soft_overlong/mean" in m
+    assert m["reward/soft_overlong/mean"] <= 0
+    assert 0.0 <= m["reward/checker_disagreement"] <= 1.0
+    assert m["reward/checker_checked"] == 16

@@ -1,0 +1,157 @@
+"""What both sides of the benchmark share: the workload, the reward, the FLOP count, memory probes.
+
+This module is imported by the grpokit side (project `.venv`) and by the TRL side (`.venv-bench`,
+where grpokit is not installed), so it depends on the standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from dataclasses import dataclass
+
+# ---------------------------------------------------------------------------------------- workload
+PROMPTS_PER_STEP = 8
+GROUP_SIZE = 8
+TEMPERATURE = 0.8
+BETA = 0.02
+LR = 1e-5
+MAX_GRAD_NORM = 1.0
+EPSILON = 0.2
+WARMUP_STEPS = 1
+STEPS = 10
+SEED = 0
+
+# Qwen2 shapes of the two benchmark models (random init, seeded; character-level vocabulary).
+SIZES = {
+    "small": dict(hidden=128, layers=4, heads=4, intermediate=512),
+    "large": dict(hidden=512, layers=8, heads=8, intermediate=2048),
+    "gpu": dict(hidden=1024, layers=24, heads=16, intermediate=4096),   # ~0.5 B with a char vocab? see run_gpu
+}
+
+
+def partial_credit(prompts, completions, answer=None, **_):
+    """The benchmark reward (same function on both sides): partial credit, so that groups of a
+    random-init model have non-zero reward variance and both sides do the full update.
+
+        r = 0.5 * (digits in the completion / its length)
+          + 0.5 * (answer characters reproduced at the same position from the completion's start)
+              / len(answer)
+
+    `grpokit.rewards.basic.digit_match` pays 0 for any completion longer than the answer, which is
+    every completion of a random model (and all of them in the fixed-length variant): the groups
+    would have zero variance, zero advantages and a zero gradient.
+    """
+    out = []
+    for c, a in zip(completions, answer if answer is not None else [None] * len(completions)):
+        c = str(c)
+        digits = sum(ch.isdigit() for ch in c) / max(len(c), 1)
+        ref = str(a or "")
+        hits = sum(x == y for x, y in zip(c, ref)) / len(ref) if ref else 0.0
+        out.append(0.5 * digits + 0.5 * hits)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- FLOPs
+@dataclass(frozen=True)
+class Dims:
+    """What the FLOP count needs of a dense decoder (Qwen2 / Llama)."""
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    qkv_bias: bool = True
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights touched by matmuls in one layer (q, k, v, o; gate, up, down)."""
+        d = self.hidden // self.heads
+        kv = self.kv_heads * d
+        return self.hidden * (self.hidden + 2 * kv) + self.hidden * self.hidden + 3 * self.hidden * self.intermediate
+
+    def token_forward(self, context: int, head: bool) -> int:
+        """Forward FLOPs of one token attending to `context` positions (itself included):
+        2 per multiply-add in every matmul, plus QK^T and AV (2 * context * hidden each) per layer,
+        plus the LM head (2 * hidden * vocab) when its logits are needed."""
+        per_layer = 2 * self.layer_matmul_params + 4 * context * self.hidden
+        return self.layers * per_layer + (2 * self.hidden * self.vocab if head else 0)
+
+    def sequence_forward(self, start: int, n: int, head_from: int) -> int:
+        """Forward FLOPs of positions start..start+n-1 of one sequence (position p attends to p+1
+        positions); positions >= head_from also go through the LM head."""
+        lin = 2 * self.layer_matmul_params * self.layers * n
+        # sum over p of 4 * (p + 1) * hidden * layers
+        ctx = sum(range(start + 1, start + n + 1))
+        att = 4 * self.hidden * self.layers * ctx
+        heads = max(0, start + n - max(head_from, start))
+        return lin + att + 2 * self.hidden * self.vocab * heads
+
+
+def step_flops(dims: Dims, prompt_lens: list[int], completion_lens: list[int], group_size: int) -> dict:
+    """Model FLOPs of the useful work of one GRPO step (mu = 1, beta > 0), the same count for
+    both sides whatever each actually computes:
+
+    - generation: each prompt's prefill once (LM head on its last position only), then one decode
+      forward per completion token but the last (the last token is sampled, never fed back);
+    - reference: one forward over prompt + completion, LM head on completion positions;
+    - policy: forward + backward (3x forward) over prompt + completion.
+
+    Padding, finished rows kept in a batch and recomputed prompts are not counted.
+    `prompt_lens` and `completion_lens` are per sample (group after group)."""
+    gen = ref = train = 0
+    for i, (p, c) in enumerate(zip(prompt_lens, completion_lens)):
+        if i % group_size == 0:
+            gen += dims.sequence_forward(0, p, head_from=p - 1)
+        if c > 1:
+            gen += dims.sequence_forward(p, c - 1, head_from=p)
+        # training forward: tokens 0..p+c-1 (the last completion token is fed too), head on the
+        # positions that predict the completion: p-1 .. p+c-2
+        fwd = dims.sequence_forward(0, p + c - 1, head_from=p - 1) if c else 0
+        ref += fwd
+        train += 3 * fwd
+    return {"generation": gen, "reference": ref, "policy": train, "total": gen + ref + train}
+
+
+# ------------------------------------------------------------------------------------------ memory
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def cores() -> int:
+    """Threads each side uses: the cores available (BENCH_THREADS overrides, for profiling)."""
+    if os.environ.get("BENCH_THREADS"):
+        return int(os.environ["BENCH_THREADS"])
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+# ---------------------------------------------------------------------------------------- protocol
+# Each side runs in its own process and waits for the controller's word before every step, so the
+# controller can alternate the two sides step by step (A B A B ...). Lines that start with TAG
+# carry JSON; anything else a library prints is ignored.
+TAG = "@@bench "
+
+
+def say(obj) -> None:
+    import json
+    import sys
+    sys.stdout.write(TAG + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def serve(step_fn, ready: dict) -> None:
+    """Announce `ready`, then run `step_fn()` (-> dict) on each 'step' line of stdin until 'quit'."""
+    import sys
+    say({"ready": ready})
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "step":
+            say({"step": step_fn()})
+        elif cmd == "quit":
+            break
+    say({"done": {"peak_rss_mb": peak_rss_mb()}})

@@ -1,0 +1,293 @@
+"""`make bench`: grpokit against TRL's GRPOTrainer on identical work, in the same run.
+
+    .venv/bin/python bench/run.py [--sizes small,large] [--lengths 16,64] [--variants eos,fixed]
+
+What it does (docs/performance.md has the latest table):
+  1. builds, offline and seeded, two random-init Qwen2 models with a character tokenizer (small:
+     hidden 128 x 4 layers; large: hidden 512 x 8 layers) and one arithmetic prompt set;
+  2. measures the machine's float32 matmul peak (a large GEMM, best of several);
+  3. for every configuration (size x max new tokens x variant) starts each side in its own
+     process (grpokit in .venv, TRL in .venv-bench), and runs them step by step in turn,
+     A B A B ..., so that drift on a shared machine falls on both; 1 warm-up step, then 10;
+  4. writes bench/results/<date>-<host>.json and .md, and the table into docs/performance.md.
+
+Variants: `eos` stops a completion at EOS (lengths vary); `fixed` ignores EOS, so every step has
+the same token count (grpokit: rollout.ignore_eos; TRL: min_new_tokens = max new tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+import common  # noqa: E402
+
+DOCS = ROOT / "docs" / "performance.md"
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+# Each side's best settings that fit in memory (micro-batch = sequences per forward/backward).
+# grpokit: the whole batch of 64 in one forward is fastest, but micro-batches of 16 keep the peak
+# activation memory a quarter as large at a small cost (see docs/performance.md).
+GRPOKIT_MICRO = {"small": 64, "large": 16, "gpu": 64}
+TRL_MICRO = {"small": 64, "large": 64, "gpu": 64}
+
+
+# ------------------------------------------------------------------------------------- preparation
+def prepare(work: Path, sizes: list[str]) -> dict:
+    """Seeded models and prompts under `work` (nothing downloaded). Returns {size: Dims}."""
+    import torch
+    from grpokit.tasks.arithmetic import ArithmeticTask
+    from grpokit.tasks.tiny import build_char_tokenizer, build_tiny_model, save_pretrained
+
+    work.mkdir(parents=True, exist_ok=True)
+    tok = build_char_tokenizer()
+    data = work / "prompts.jsonl"
+    rows = ArithmeticTask(seed=common.SEED).train_rows(512, seed=common.SEED)
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dims = {}
+    for size in sizes:
+        s = common.SIZES[size]
+        path = work / f"model-{size}"
+        model = build_tiny_model(tok, hidden=s["hidden"], layers=s["layers"], heads=s["heads"],
+                                 intermediate=s["intermediate"], max_positions=256, seed=common.SEED)
+        if not (path / "config.json").is_file():
+            save_pretrained(model, tok, path)
+        c = model.config
+        dims[size] = common.Dims(c.hidden_size, c.num_hidden_layers, c.num_attention_heads,
+                                 c.num_key_value_heads, c.intermediate_size, c.vocab_size)
+        dims[size + "_params"] = sum(p.numel() for p in model.parameters())
+        del model
+        torch.set_num_threads(common.cores())
+    return dims
+
+
+def matmul_peak(n: int = 4096, repeats: int = 5) -> float:
+    """The machine's float32 matmul peak in FLOP/s: best of `repeats` n x n GEMMs."""
+    import torch
+    torch.set_num_threads(common.cores())
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best
+
+
+# --------------------------------------------------------------------------------------- one side
+class Side:
+    def __init__(self, name: str, python: str, script: str, argv: list[str], log: Path):
+        self.name = name
+        self.log = log.open("w")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+                   OMP_NUM_THREADS=str(common.cores()))
+        self.proc = subprocess.Popen([python, str(HERE / script), *argv], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, cwd=ROOT)
+
+    def read(self, key: str) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(common.TAG):
+                msg = json.loads(line[len(common.TAG):])
+                if key in msg:
+                    return msg[key]
+            else:
+                self.log.write(line)
+        self.log.flush()
+        raise RuntimeError(f"{self.name} exited (code {self.proc.wait()}) before sending {key!r}; see {self.log.name}")
+
+    def send(self, word: str) -> None:
+        self.proc.stdin.write(word + "\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> dict:
+        self.send("quit")
+        done = self.read("done")
+        self.proc.wait(timeout=120)
+        self.log.close()
+        return done
+
+
+def run_config(size: str, T: int, variant: str, work: Path, steps: int, pythons: dict) -> dict:
+    common_argv = ["--model", str(work / f"model-{size}"), "--data", str(work / "prompts.jsonl"),
+                   "--max-new-tokens", str(T), "--steps", str(steps)] + (["--fixed-length"] if variant == "fixed" else [])
+    tag = f"{size}-{T}-{variant}"
+    sides = {
+        "grpokit": Side("grpokit", pythons["grpokit"], "side_grpokit.py",
+                        common_argv + ["--micro-batch", str(GRPOKIT_MICRO[size]), "--run-dir", str(work / "runs" / f"grpokit-{tag}")],
+                        work / "logs" / f"grpokit-{tag}.log"),
+        "trl": Side("trl", pythons["trl"], "side_trl.py",
+                    common_argv + ["--micro-batch", str(TRL_MICRO[size]), "--run-dir", str(work / "runs" / f"trl-{tag}")],
+                    work / "logs" / f"trl-{tag}.log"),
+    }
+    out = {name: {"ready": s.read("ready"), "steps": []} for name, s in sides.items()}
+    order = ["grpokit", "trl"]
+    for i in range(steps):
+        for name in order:                                   # A B A B ...
+            time.sleep(0.2)                                  # let the other side's threads go idle
+            sides[name].send("step")
+            out[name]["steps"].append(sides[name].read("step"))
+        print(f"  {tag} step {i + 1}/{steps}: " + "  ".join(
+            f"{n} {out[n]['steps'][-1]['step_s']:.2f}s (cpu {out[n]['steps'][-1]['cpu_s']:.2f}s)" for n in order), flush=True)
+    for name, s in sides.items():
+        out[name]["done"] = s.close()
+    return out
+
+
+# ------------------------------------------------------------------------------------------ report
+def summarise(side: dict, dims: common.Dims, warmup: int, peak: float) -> dict:
+    steps = side["steps"][warmup:]
+    wall = [s["step_s"] for s in steps]
+    toks = sum(sum(s["completion_lens"]) for s in steps)
+    flops = [common.step_flops(dims, s["prompt_lens"], s["completion_lens"], common.GROUP_SIZE) for s in steps]
+    total_s = sum(wall)
+    fl = sum(f["total"] for f in flops)
+    return {
+        "step_s_median": statistics.median(wall), "step_s_min": min(wall), "step_s_max": max(wall),
+        "cpu_s_median": statistics.median(s["cpu_s"] for s in steps),
+        "tokens_per_s": toks / total_s,
+        "completion_tokens_per_step": toks / len(steps),
+        "generation_s": statistics.median(s["generation_s"] for s in steps),
+        "reward_s": statistics.median(s["reward_s"] for s in steps),
+        "reference_s": statistics.median(s["reference_s"] for s in steps),
+        "update_s": statistics.median(s["update_s"] for s in steps),
+        "grad_norm_min": min(s["grad_norm"] for s in steps),
+        "peak_rss_mb": side["done"]["peak_rss_mb"],
+        "flops_per_step": fl / len(steps),
+        "flop_per_s": fl / total_s, "flop_frac_of_peak": fl / total_s / peak,
+        "generation_flop_frac": sum(f["generation"] for f in flops) / max(sum(s["generation_s"] for s in steps), 1e-9) / peak,
+        "settings": side["ready"]["settings"],
+    }
+
+
+def fmt_table(results: list[dict], peak: float) -> str:
+    head = ("| model | new tok | variant | side | s/step median (min–max) | tok/s | gen s | ref+reward s | update s "
+            "| peak RSS MB | FLOP/s % of peak | tok/s ratio | step ratio | RSS ratio |")
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in results:
+        g, t = r["grpokit"], r["trl"]
+        for name, s in (("grpokit", g), ("TRL", t)):
+            ratio = name == "grpokit"
+            rows.append(
+                f"| {r['size']} | {r['max_new_tokens']} | {r['variant']} | {name} "
+                f"| {s['step_s_median']:.2f} ({s['step_s_min']:.2f}–{s['step_s_max']:.2f}) | {s['tokens_per_s']:.0f} "
+                f"| {s['generation_s']:.2f} | {s['reward_s'] + s['reference_s']:.2f} | {s['update_s']:.2f} "
+                f"| {s['peak_rss_mb']:.0f} | {100 * s['flop_frac_of_peak']:.0f}% "
+                + (f"| **{g['tokens_per_s'] / t['tokens_per_s']:.2f}×** | {g['step_s_median'] / t['step_s_median']:.2f} "
+                   f"| {g['peak_rss_mb'] / t['peak_rss_mb']:.2f} |" if ratio else "| | | |"))
+    rows.append("")
+    rows.append(f"Ratios are grpokit / TRL from the same run (tok/s: higher is better; step time and RSS: lower is "
+                f"better). FLOP/s counts the model FLOPs of the useful work of a step (generation forwards, one "
+                f"reference forward, policy forward + backward) against the measured float32 matmul peak of "
+                f"{peak / 1e9:.0f} GFLOP/s.")
+    return "\n".join(rows)
+
+
+def targets(results: list[dict]) -> list[str]:
+    lines = []
+    for r in results:
+        g, t = r["grpokit"], r["trl"]
+        tr = g["tokens_per_s"] / t["tokens_per_s"]
+        rss = g["peak_rss_mb"] / t["peak_rss_mb"]
+        name = f"{r['size']}/{r['max_new_tokens']}/{r['variant']}"
+        if r["size"] == "small":
+            lines.append(f"- {name}: tok/s {tr:.2f}× (target ≥ 3×) {'met' if tr >= 3 else 'MISSED'}")
+        elif r["size"] == "large" and r["max_new_tokens"] == 64:
+            lines.append(f"- {name}: tok/s {tr:.2f}× (target ≥ 1.5×) {'met' if tr >= 1.5 else 'MISSED'}; "
+                         f"FLOP/s {100 * g['flop_frac_of_peak']:.0f}% of peak (target ≥ 70%) "
+                         f"{'met' if g['flop_frac_of_peak'] >= 0.7 else 'MISSED'}")
+        lines.append(f"- {name}: peak RSS {rss:.2f}× (target ≤ 0.6×) {'met' if rss <= 0.6 else 'MISSED'}")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="small,large")
+    ap.add_argument("--lengths", default="16,64")
+    ap.add_argument("--variants", default="eos,fixed")
+    ap.add_argument("--steps", type=int, default=common.STEPS, help="measured steps (after the warm-up)")
+    ap.add_argument("--work", default=str(ROOT / "runs" / "bench"))
+    ap.add_argument("--trl-python", default=str(ROOT / ".venv-bench" / "bin" / "python"))
+    ap.add_argument("--no-docs", action="store_true", help="do not rewrite the table in docs/performance.md")
+    args = ap.parse_args()
+
+    work = Path(args.work)
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    sizes = args.sizes.split(",")
+    dims = prepare(work, sizes)
+    peak = matmul_peak()
+    print(f"float32 matmul peak: {peak / 1e9:.1f} GFLOP/s ({common.cores()} cores)", flush=True)
+    pythons = {"grpokit": sys.executable, "trl": args.trl_python}
+    steps = common.WARMUP_STEPS + args.steps
+    results = []
+    t_all = time.perf_counter()
+    for size in sizes:
+        for T in [int(x) for x in args.lengths.split(",")]:
+            for variant in args.variants.split(","):
+                raw = run_config(size, T, variant, work, steps, pythons)
+                results.append({"size": size, "max_new_tokens": T, "variant": variant,
+                                "grpokit": summarise(raw["grpokit"], dims[size], common.WARMUP_STEPS, peak),
+                                "trl": summarise(raw["trl"], dims[size], common.WARMUP_STEPS, peak),
+                                "raw": raw})
+    peak = max(peak, matmul_peak())                          # measured again at the end: the better one
+    for r in results:                                        # FLOP fractions against the final peak
+        for side in ("grpokit", "trl"):
+            s = r[side]
+            s["flop_frac_of_peak"] = s["flop_per_s"] / peak
+    import torch
+    import transformers
+    meta = {
+        "date": dt.date.today().isoformat(), "host": socket.gethostname(), "cpu": _cpu_name(),
+        "cores": common.cores(), "matmul_peak_flops": peak, "python": platform.python_version(),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "trl": results[0]["raw"]["trl"]["ready"].get("trl") if results else None,
+        "params": {s: dims[s + "_params"] for s in sizes}, "seconds": time.perf_counter() - t_all,
+        "command": "make bench  (.venv/bin/python bench/run.py " + " ".join(sys.argv[1:]) + ")",
+        "workload": {"prompts_per_step": common.PROMPTS_PER_STEP, "group_size": common.GROUP_SIZE,
+                     "temperature": common.TEMPERATURE, "beta": common.BETA, "mu": 1, "lr": common.LR,
+                     "dtype": "float32", "warmup_steps": common.WARMUP_STEPS, "steps": args.steps},
+    }
+    table = fmt_table(results, peak)
+    lines = targets(results)
+    out = HERE / "results"
+    out.mkdir(exist_ok=True)
+    stem = f"{meta['date']}-{meta['host']}"
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    md = (f"{meta['date']} on {meta['host']} ({meta['cpu']}, {meta['cores']} cores), torch {meta['torch']}, "
+          f"transformers {meta['transformers']}, trl {meta['trl']}; command: `{meta['command']}`\n\n"
+          + table + "\n\nTargets:\n" + "\n".join(lines) + "\n")
+    (out / f"{stem}.md").write_text(md)
+    print("\n" + md)
+    if not args.no_docs and DOCS.is_file():
+        text = DOCS.read_text()
+        if BEGIN in text and END in text:
+            pre, rest = text.split(BEGIN, 1)
+            DOCS.write_text(pre + BEGIN + "\n" + md + END + rest.split(END, 1)[1])
+            print(f"updated {DOCS.relative_to(ROOT)}")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""A lean forward pass for sampling from dense Llama-family decoders (Qwen2, Llama), with a
+preallocated KV cache. It reads the transformers model's own weights and computes what its
+forward computes (RMSNorm, rotary embeddings, SDPA attention with grouped KV heads, SwiGLU MLP),
+with about a third of the tensor operations and none of the per-call Python machinery (mask
+builders, cache objects, output dataclasses). That machinery dominates a decode step of a small
+model on a CPU; for a large model the step is matmul-bound either way.
+
+`LeanDecoder.supports(model)` says whether a model qualifies (plain `nn.Linear` projections, default
+rotary embedding, full attention, SiLU MLP, no logit soft-capping); the engine falls back to the
+model's own forward otherwise (LoRA-wrapped or quantized layers, other architectures).
+
+Deviations from transformers' forward, all within float rounding: the attention projections
+(q, k, v) and the MLP's gate and up projections run as one matmul each, on concatenated copies of
+their weights made once per `generate` call; RMSNorm uses `torch.nn.functional.rms_norm` in
+float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from grpokit import gemm
+from grpokit.gemm import linear
+
+_FAMILIES = {"qwen2", "llama"}
+import os
+_ATT = os.environ.get("ATT", "mm")
+
+
+@dataclass
+class _Layer:
+    ln_in: torch.Tensor
+    w_qkv: torch.Tensor
+    b_qkv: torch.Tensor | None
+    w_o: torch.Tensor
+    b_o: torch.Tensor | None
+    ln_post: torch.Tensor
+    w_gu: torch.Tensor
+    b_gu: torch.Tensor | None
+    w_down: torch.Tensor
+    b_down: torch.Tensor | None
+
+
+def _cat_bias(*mods):
+    bs = [m.bias for m in mods]
+    if all(b is None for b in bs):
+        return None
+    return torch.cat([b if b is not None else torch.zeros(m.out_features, dtype=m.weight.dtype, device=m.weight.device)
+                      for b, m in zip(bs, mods)])
+
+
+class LeanDecoder:
+    """Prefill + decode for one `generate` call: weights are gathered at construction (so build
+    one per call: the policy's weights change between calls), the KV cache is sized per call."""
+
+    @staticmethod
+    def supports(model) -> bool:
+        cfg = getattr(model, "config", None)
+        if cfg is None or getattr(cfg, "model_type", None) not in _FAMILIES:
+            return False
+        if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "final_logit_softcapping", None):
+            return False
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            return False
+        if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+            return False
+        inner = getattr(model, "model", None)
+        if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+            return False
+        if type(model.get_output_embeddings()) is not torch.nn.Linear:
+            return False
+        for layer in inner.layers:
+            a, m = layer.self_attn, layer.mlp
+            mods = [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
+            if any(type(x) is not torch.nn.Linear for x in mods):
+                return False
+        return True
+
+    @torch.no_grad()
+    def __init__(self, model, rows: int = 64):
+        """`rows`: the batch size the weights are laid out for (oneDNN, see grpokit.gemm)."""
+        cfg = model.config
+        inner = model.model
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.eps = cfg.rms_norm_eps
+        self.scale = self.head_dim ** -0.5
+        self.embed = inner.embed_tokens.weight
+        self.norm = inner.norm.weight
+        head = model.get_output_embeddings()
+        self.w_head, self.b_head = gemm.pack(head.weight, rows), head.bias
+        rot = inner.rotary_emb
+        self.inv_freq = rot.inv_freq.float()
+        self.rope_scale = float(getattr(rot, "attention_scaling", 1.0))
+        self.layers = []
+        for layer in inner.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append(_Layer(
+                layer.input_layernorm.weight,
+                gemm.pack(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), rows),
+                _cat_bias(a.q_proj, a.k_proj, a.v_proj),
+                gemm.pack(a.o_proj.weight, rows), a.o_proj.bias, layer.post_attention_layernorm.weight,
+                gemm.pack(torch.cat([m.gate_proj.weight, m.up_proj.weight]), rows), _cat_bias(m.gate_proj, m.up_proj),
+                gemm.pack(m.down_proj.weight, rows), m.down_proj.bias))
+        self.dtype, self.device = self.embed.dtype, self.embed.device
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+
+    # ------------------------------------------------------------------ pieces
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, w.shape, w, self.eps)
+        h = x.float()                      # transformers: normalise in float32, cast, then scale
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return w * h.to(x.dtype)
+
+    def rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [length, head_dim] for positions 0..length-1, as transformers computes them."""
+        pos = torch.arange(length, dtype=torch.float32, device=self.device)
+        freqs = pos[:, None] * self.inv_freq.to(self.device)[None, :]
+        emb = torch.cat((freqs, freqs), -1)
+        return ((emb.cos() * self.rope_scale).to(self.dtype), (emb.sin() * self.rope_scale).to(self.dtype))
+
+    def alloc(self, rows: int, length: int) -> None:
+        shape = (rows, self.n_kv, length, self.head_dim)
+        self.k = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.v = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only these cache rows (finished rows leave the batch)."""
+        self.k = [k.index_select(0, rows) for k in self.k]
+        self.v = [v.index_select(0, rows) for v in self.v]
+
+    def forward(self, ids: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None, last_only: bool = True, expand: int = 1) -> torch.Tensor:
+        """Run `ids` [n, L] at cache columns start..start+L-1; returns logits [n * expand, V] of the
+        last position (`last_only`). cos / sin broadcast to [n, 1, L, head_dim]. `mask`: boolean
+        [n, 1, L, start + L] (True = attend) or None (no padding: causal within the new tokens).
+        `expand` > 1 (prefill only): the cache rows are the n inputs each repeated `expand` times."""
+        n, L = ids.shape
+        nh, nkv, d = self.n_heads, self.n_kv, self.head_dim
+        x = F.embedding(ids, self.embed)                                   # [n, L, H]
+        half = d // 2
+        causal = mask is None and L > 1
+        for i, p in enumerate(self.layers):
+            h = self._rms(x, p.ln_in)
+            qkv = linear(h, p.w_qkv, p.b_qkv).view(n, L, nh + 2 * nkv, d).transpose(1, 2)   # [n, h, L, d]
+            qk = qkv[:, :nh + nkv]
+            rot = torch.cat((-qk[..., half:], qk[..., :half]), -1)
+            qk = torch.addcmul(qk * cos, rot, sin)                         # rotary on q and k at once
+            q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
+            kc, vc = self.k[i], self.v[i]
+            if expand > 1:                                                 # one prompt -> its G rows
+                kc.view(n, expand, *kc.shape[1:])[:, :, :, start:start + L] = k[:, None]
+                vc.view(n, expand, *vc.shape[1:])[:, :, :, start:start + L] = v[:, None]
+                keys, vals = k, v
+            else:
+                kc[:, :, start:start + L] = k
+                vc[:, :, start:start + L] = v
+                keys, vals = kc[:, :, :start + L], vc[:, :, :start + L]
+            if L == 1 and _ATT == "sdpa":
+                o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=nkv != nh)
+            elif L == 1:      # decode: batched matmuls, the query heads of a KV head side by side (GQA)
+                sc = torch.matmul(q.reshape(n, nkv, nh // nkv, d), keys.transpose(-1, -2)) * self.scale
+                if mask is not None:
+                    sc = sc.masked_fill(~mask, float("-inf"))
+                o = torch.matmul(sc.softmax(-1), vals).view(n, nh, 1, d)   # [n, nh, 1, d]
+            else:
+                o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, is_causal=causal,
+                                                   enable_gqa=nkv != nh)      # [n, nh, L, d]
+            x = x + linear(o.transpose(1, 2).reshape(n, L, nh * d), p.w_o, p.b_o)
+            h = self._rms(x, p.ln_post)
+            g, u = linear(h, p.w_gu, p.b_gu).chunk(2, -1)
+            x = x + linear(F.silu(g) * u, p.w_down, p.b_down)
+        if last_only:
+            x = x[:, -1]
+        logits = linear(self._rms(x, self.norm), self.w_head, self.b_head)
+        return logits.repeat_interleave(expand, 0) if expand > 1 else logits

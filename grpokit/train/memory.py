@@ -1,0 +1,421 @@
+"""Memory planner (seed 5.4): estimate a run's peak memory from the model's config and ours, and
+apply the seed's order of cuts until it fits a budget:
+
+    gradient checkpointing -> LoRA -> 4-bit base weights -> reference offload to CPU -> smaller G
+
+Pure estimation: the model is instantiated on the `meta` device (no weights, no memory) to count
+parameters per module exactly; everything else is arithmetic over its shape. docs/memory.md gives
+every formula and the table that validates them against measured peaks (grpokit.train.memory_probe).
+
+Phases of a training step, each a sum of what is alive at its peak (bytes):
+
+    rollout  = weights + reference + grads + optimizer + KV cache + sampling logits
+    logprobs = weights + reference + grads + optimizer + one layer's no-grad working set + logits chunk
+    update   = weights + reference + optimizer + activations + head logits + grads (see `update_peak`)
+
+Grads and optimizer states exist from the second step on (the optimizer creates its state at the
+first step; gradients stay allocated between steps). The peak is the largest phase plus a runtime
+overhead (CPU: the Python process with torch and transformers loaded; GPU: the CUDA context, which
+`torch.cuda.max_memory_allocated` does not see).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+MiB, GiB = 2**20, 2**30
+
+# Resident memory of a CPU training process before any model: Python, torch, transformers, grpokit,
+# tokenizer and data (measured on Linux x86-64, torch 2.13, transformers 5.18: 560-640 MiB).
+CPU_RUNTIME_BYTES = 600 * MiB
+# peft and bitsandbytes add their modules and native libraries when LoRA / 4-bit is used.
+CPU_PEFT_BYTES = 60 * MiB
+CPU_BNB_BYTES = 60 * MiB
+CUDA_CONTEXT_BYTES = 500 * MiB
+LOGITS_BUDGET = 256 << 20          # grpokit.train.logprobs: above this the head runs under checkpointing
+
+
+@dataclass
+class Shape:
+    """What the estimate needs to know about a model (from its HF config)."""
+    model_type: str
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    tied: bool
+    params: int                                   # unique parameters
+    linears: dict[str, tuple[int, int]]           # decoder nn.Linear name -> (in, out), lm_head excluded
+    head_params: int                              # an untied LM head (0 when tied)
+
+    @property
+    def linear_params(self) -> int:
+        return sum(i * o for i, o in self.linears.values())
+
+
+def shape_from_config(hf_config) -> Shape:
+    """Count parameters per module by building the model on the meta device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    c = copy.deepcopy(hf_config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(c)
+    tc = getattr(c, "get_text_config", lambda: c)()
+    head = model.get_output_embeddings()
+    tied = bool(getattr(tc, "tie_word_embeddings", False))
+    linears = {n: (m.in_features, m.out_features) for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and m is not head}
+    heads = tc.num_attention_heads
+    return Shape(
+        model_type=getattr(tc, "model_type", ""), vocab=tc.vocab_size, hidden=tc.hidden_size,
+        layers=tc.num_hidden_layers, heads=heads, kv_heads=getattr(tc, "num_key_value_heads", None) or heads,
+        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+        intermediate=getattr(tc, "intermediate_size", None) or 4 * tc.hidden_size, tied=tied,
+        params=sum(p.numel() for p in model.parameters()),
+        linears=linears, head_params=0 if tied or head is None else head.weight.numel())
+
+
+def load_shape(model_path: str) -> Shape:
+    from transformers import AutoConfig
+
+    from grpokit.train.model import ModelLoadError, _check_dir
+
+    p = _check_dir(model_path)
+    if not (p / "config.json").is_file():
+        from grpokit.train.lora import resolve_base
+        p = resolve_base(p)
+    try:
+        return shape_from_config(AutoConfig.from_pretrained(p, local_files_only=True))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{p}: cannot read the model config ({str(exc).splitlines()[0]})") from None
+
+
+@dataclass
+class Setup:
+    """The knobs of a run that memory depends on (read from a Config by `setup_from_config`)."""
+    device: str = "cpu"                      # "cpu" or "cuda"
+    dtype_bytes: int = 4
+    grad_ckpt: bool = False
+    lora: bool = False
+    rank: int = 16
+    targets: list[str] | str = "auto"
+    four_bit: bool = False
+    double_quant: bool = True
+    reference: str = "copy"                  # "copy", "adapter_off" or "none"
+    ref_device: str = "same"                 # "same", "cpu" or "swap"
+    group_size: int = 16
+    batch_size: int = 64
+    prompt_tokens: int = 256
+    max_new_tokens: int = 2048
+    micro_batch: int = 16
+    chunk_tokens: int = 1024
+    temperature: float = 1.0
+
+
+def setup_from_config(cfg, *, device: str | None = None, prompt_tokens: int = 256) -> Setup:
+    import torch
+
+    dev = device or ("cuda" if cfg.model.device.startswith("cuda") or
+                     (cfg.model.device == "auto" and torch.cuda.is_available()) else "cpu")
+    dtype = cfg.model.dtype
+    nbytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 2 if dev == "cuda" else 4)
+    lc, k = cfg.lora, cfg.algorithm.kl
+    ref = "none" if k.beta == 0 else ("adapter_off" if lc.enabled and lc.reference == "adapter_off" else "copy")
+    return Setup(device=dev, dtype_bytes=nbytes, grad_ckpt=cfg.model.gradient_checkpointing, lora=lc.enabled,
+                 rank=lc.rank, targets=lc.target_modules, four_bit=lc.enabled and lc.load_in_4bit,
+                 double_quant=lc.double_quant, reference=ref, ref_device=k.ref_device,
+                 group_size=cfg.rollout.group_size, batch_size=cfg.rollout.batch_size, prompt_tokens=prompt_tokens,
+                 max_new_tokens=cfg.rollout.max_new_tokens, micro_batch=cfg.optim.micro_batch_size,
+                 chunk_tokens=cfg.optim.logprob_chunk, temperature=cfg.rollout.temperature)
+
+
+@dataclass
+class Estimate:
+    shape: Shape
+    setup: Setup
+    parts: dict[str, float]                  # named terms, bytes
+    phases: dict[str, float] = field(default_factory=dict)
+    peak: float = 0.0                        # bytes, overhead included
+    peak_phase: str = ""
+
+
+def _lora_targets(shape: Shape, targets) -> dict[str, tuple[int, int]]:
+    from grpokit.train.lora import target_modules_for
+
+    t = target_modules_for(shape.model_type, targets)
+    if t == "all-linear":
+        return dict(shape.linears)
+    names = [t] if isinstance(t, str) else list(t)
+    return {n: io for n, io in shape.linears.items() if n.rsplit(".", 1)[-1] in names}
+
+
+def weight_bytes(shape: Shape, s: Setup) -> tuple[float, float, int]:
+    """(base weights, adapter weights, trainable parameters)."""
+    b = s.dtype_bytes
+    base = shape.params * b
+    if s.four_bit:      # decoder linears in 4 bit + absmax per 64-value block (double quant: 8-bit absmax)
+        q = shape.linear_params
+        per = 0.5 + (1 / 64 + 4 / (64 * 256) if s.double_quant else 4 / 64)
+        base = (shape.params - q) * b + q * per
+    if not s.lora:
+        return base, 0.0, shape.params
+    n_lora = sum(s.rank * (i + o) for i, o in _lora_targets(shape, s.targets).values())
+    return base, n_lora * 4.0, n_lora        # peft keeps adapters in float32
+
+
+def layer_activation_bytes(shape: Shape, b: int) -> float:
+    """Saved-for-backward bytes per token of one decoder layer (HF Llama/Qwen2 code path):
+    two RMSNorms with their input (fp32 internally: (4 + 2b) h each), q/k/v with RoPE
+    (3 h_q + 3 kv + kv), attention output and its reshaped copy (2 h_q), SwiGLU MLP (4 i)."""
+    hq, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    return 2 * (4 + 2 * b) * shape.hidden + (5 * hq + 4 * kv + 4 * shape.intermediate) * b
+
+
+def update_terms(shape: Shape, s: Setup) -> dict[str, float]:
+    """Activations and head logits of one micro-batch of the update (worst case: every completion
+    at max_new_tokens, every prompt at prompt_tokens)."""
+    b = s.dtype_bytes
+    m = min(s.micro_batch, s.batch_size)
+    S, L = s.prompt_tokens + s.max_new_tokens, s.max_new_tokens
+    t = m * S
+    per_layer = layer_activation_bytes(shape, b)
+    mask = m * S * S                                         # the 4D boolean attention mask
+    if s.grad_ckpt:        # layer inputs kept; one layer's activations during its recompute
+        act = shape.layers * t * shape.hidden * b + t * per_layer
+    else:
+        act = shape.layers * t * per_layer
+    act += t * (4 + 2 * b) * shape.hidden + mask             # final norm
+    full = m * L * shape.vocab * 4.0                         # fp32 log-softmax input of the whole micro-batch
+    ckpt_head = full > LOGITS_BUDGET
+    one_shot = not ckpt_head and m * L <= s.chunk_tokens * 4
+    chunk = full if one_shot else min(full, max(1, s.chunk_tokens // m) * m * shape.vocab * 4.0)
+    saved = 0.0 if ckpt_head else full
+    transient = 2 * chunk + (chunk * 2 / 4 if b == 2 else 0)   # softmax + product for the entropy (+ bf16 head output)
+    return {"activations": act, "logits_saved": saved, "logits_transient": transient}
+
+
+def kv_cache_bytes(shape: Shape, s: Setup) -> float:
+    """K and V for every layer, the G x prompts completions, prompt + max_new_tokens positions."""
+    S = s.prompt_tokens + s.max_new_tokens
+    per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * s.dtype_bytes
+    return s.batch_size * S * per_token * (1 + 1 / max(shape.layers, 1))   # + one layer being concatenated
+
+
+def estimate(shape: Shape, s: Setup) -> Estimate:
+    """Peak memory (bytes) of the device that holds the policy, and its parts."""
+    b = s.dtype_bytes
+    base, adapters, trainable = weight_bytes(shape, s)
+    train_b = 4 if s.lora else b                             # grads and AdamW moments in the param dtype
+    grads = trainable * train_b
+    optim = 2 * trainable * train_b
+    ref_w = 0.0
+    if s.reference == "copy":
+        ref_w = base if not s.lora else weight_bytes(shape, Setup(**{**s.__dict__, "lora": False}))[0]
+    ref_on_dev = ref_w if (s.ref_device == "same" or s.device == "cpu") else 0.0
+    up = update_terms(shape, s)
+    kv = kv_cache_bytes(shape, s)
+    weights = base + adapters
+    resident = weights + ref_on_dev + optim
+    N, V = s.batch_size, shape.vocab
+    m = min(s.micro_batch, s.batch_size)
+    S = s.prompt_tokens + s.max_new_tokens
+    sample_logits = 4 * N * V * 4.0                          # logits, scaled, softmax, cumsum for top-p
+    nograd_layer = 2 * m * S * (shape.hidden + 2 * shape.intermediate) * b
+    nograd_logits = min(m * s.max_new_tokens, s.chunk_tokens * 4) * V * 4.0 * 2
+    swap_in = ref_w if (s.ref_device == "swap" and s.device == "cuda") else 0.0
+    if s.micro_batch < s.batch_size:       # later micro-batches run with the earlier ones' grads alive
+        upd = resident + grads + up["activations"] + up["logits_saved"] + up["logits_transient"]
+    else:                                   # one micro-batch: activations are freed as grads appear
+        upd = resident + max(up["activations"] + up["logits_saved"] + up["logits_transient"], grads)
+    phases = {
+        "rollout": resident + grads + kv + sample_logits,
+        "logprobs": resident + grads + swap_in + nograd_layer + nograd_logits,
+        "update": upd,
+    }
+    overhead = (CUDA_CONTEXT_BYTES if s.device == "cuda" else
+                CPU_RUNTIME_BYTES + (CPU_PEFT_BYTES if s.lora else 0) + (CPU_BNB_BYTES if s.four_bit else 0))
+    parts = {"weights": base, "adapters": adapters, "reference": ref_w, "grads": grads, "optimizer": optim,
+             "activations": up["activations"], "logits": up["logits_saved"] + up["logits_transient"],
+             "kv_cache": kv, "overhead": overhead}
+    phase = max(phases, key=phases.get)
+    return Estimate(shape, s, parts, phases, phases[phase] + overhead, phase)
+
+
+def estimate_config(cfg, *, device: str | None = None, prompt_tokens: int | None = None) -> Estimate:
+    """Estimate for a Config (model shape read from cfg.model.path)."""
+    shape = load_shape(cfg.model.path)
+    pt = prompt_tokens if prompt_tokens is not None else prompt_tokens_of(cfg)
+    return estimate(shape, setup_from_config(cfg, device=device, prompt_tokens=pt))
+
+
+def prompt_tokens_of(cfg, *, limit: int = 2000, default: int = 256) -> int:
+    """Longest prompt in tokens among the first `limit` rows of data.path (`default` when unknown)."""
+    try:
+        from grpokit.data.datasets import load_prompts
+        from grpokit.train.model import load_tokenizer
+        from grpokit.train.prompts import PromptEncoder
+
+        ds = load_prompts(cfg.data.path, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field)
+        enc = PromptEncoder(load_tokenizer(cfg.model.path), cfg.data.chat_template)
+        return max(len(enc.encode(r["prompt"])) for r in ds.rows[:limit])
+    except Exception:  # noqa: BLE001 - no data or tokenizer at hand: a stated default
+        return default
+
+
+# --------------------------------------------------------------------------- the seed's order
+
+
+@dataclass
+class PlanRow:
+    step: str
+    overrides: dict[str, object]            # cumulative
+    estimate: Estimate
+    note: str = ""
+
+    @property
+    def peak(self) -> float:
+        return self.estimate.peak
+
+
+def plan(shape: Shape, s: Setup, budget: float, *, lr: float | None = None, prompts_per_step: int | None = None,
+         mini_batches: int = 1) -> list[PlanRow]:
+    """Each step of the seed's order applied in turn (cumulatively), with its estimate. After the
+    seed's steps, if nothing fits yet, the micro-batch is halved (exact: the gradient is unchanged)."""
+    rows = [PlanRow("as configured", {}, estimate(shape, s))]
+    over: dict[str, object] = {}
+
+    def add(name: str, changes: dict, new: Setup, note: str = ""):
+        nonlocal s
+        over.update(changes)
+        s = new
+        rows.append(PlanRow(name, dict(over), estimate(shape, s), note))
+
+    def same(name: str, note: str):
+        rows.append(PlanRow(name, dict(over), rows[-1].estimate, note))
+
+    def replaced(**kw) -> Setup:
+        return Setup(**{**s.__dict__, **kw})
+
+    if s.grad_ckpt:
+        same("gradient checkpointing", "already on")
+    else:
+        add("gradient checkpointing", {"model.gradient_checkpointing": True}, replaced(grad_ckpt=True))
+    if s.lora:
+        same("LoRA", "already on")
+    else:
+        ch: dict[str, object] = {"lora.enabled": True}
+        if lr is not None and lr < 1e-5:
+            ch["optim.lr"] = 1e-4            # seed: 1e-4 to 2e-4 with LoRA
+        ref = "adapter_off" if s.reference != "none" else "none"
+        add(f"LoRA r={s.rank}, adapter-off reference", ch, replaced(lora=True, reference=ref))
+    if s.four_bit:
+        same("4-bit base weights", "already on")
+    else:
+        add("4-bit base weights (QLoRA)", {"lora.load_in_4bit": True}, replaced(four_bit=True))
+    if s.reference != "copy":
+        same("reference offload to CPU", "no reference copy to offload" if s.reference == "adapter_off"
+             else "beta = 0: no reference")
+    elif s.device == "cpu":
+        same("reference offload to CPU", "the policy is on the CPU already")
+    elif s.ref_device != "same":
+        same("reference offload to CPU", "already off the GPU")
+    else:
+        add("reference offload to CPU", {"algorithm.kl.ref_device": "cpu"}, replaced(ref_device="cpu"))
+    P = prompts_per_step or max(1, s.batch_size // s.group_size)
+    g = s.group_size
+    while rows[-1].peak > budget and g > 2:
+        g = max(2, g // 2)
+        n = P * g
+        if n % mini_batches:
+            continue
+        add(f"smaller G: {g}", {"rollout.group_size": g, "rollout.batch_size": n},
+            replaced(group_size=g, batch_size=n))
+    mb = min(s.micro_batch, s.batch_size)
+    while rows[-1].peak > budget and mb > 1:
+        mb = max(1, mb // 2)
+        add(f"micro-batch {mb} (beyond the seed's order)", {"optim.micro_batch_size": mb}, replaced(micro_batch=mb),
+            "same gradient, more passes")
+    return rows
+
+
+def first_fit(rows: list[PlanRow], budget: float) -> PlanRow | None:
+    return next((r for r in rows if r.peak <= budget), None)
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.0f} MiB"
+
+
+def format_plan(rows: list[PlanRow], budget: float) -> str:
+    e0 = rows[0].estimate
+    sh, s = e0.shape, e0.setup
+    lines = [f"model: {sh.model_type}, {sh.params / 1e6:.1f} M parameters, {sh.layers} layers, hidden {sh.hidden}, "
+             f"vocab {sh.vocab}; device {s.device}, {s.dtype_bytes * 8}-bit weights; prompt <= {s.prompt_tokens} "
+             f"tokens, {s.max_new_tokens} new; budget {fmt_bytes(budget)}",
+             "", "as configured:"]
+    for k, v in e0.parts.items():
+        if v:
+            lines.append(f"  {k:12s} {fmt_bytes(v):>12s}")
+    lines.append(f"  peak phase: {e0.peak_phase} ({', '.join(f'{k} {fmt_bytes(v)}' for k, v in e0.phases.items())})")
+    lines += ["", f"{'':2s}{'step (seed 5.4 order, cumulative)':44s}{'estimate':>12s}  fits  note"]
+    fit = first_fit(rows, budget)
+    for r in rows:
+        mark = "->" if r is fit else "  "
+        lines.append(f"{mark}{r.step:44s}{fmt_bytes(r.peak):>12s}  {'yes ' if r.peak <= budget else 'no  '}  {r.note}")
+    lines.append("")
+    if fit is None:
+        lines.append("nothing fits: lower rollout.max_new_tokens or use a smaller model")
+    elif not fit.overrides:
+        lines.append("fits as configured")
+    else:
+        lines.append("first fit: " + " ".join(f"{k}={_yaml_value(v)}" for k, v in fit.overrides.items()))
+    return "\n".join(lines)
+
+
+def _yaml_value(v) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def overrides_yaml(overrides: dict[str, object], base: str) -> str:
+    """A config file that extends `base` with the planner's overrides."""
+    import yaml
+
+    tree: dict = {"base": base}
+    for key, v in overrides.items():
+        node = tree
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = v
+    return "# written by grpokit plan-memory --apply\n" + yaml.safe_dump(tree, sort_keys=False)
+
+
+def parse_size(text: str) -> float:
+    """'24GiB', '24G', '512MiB', '1.5TB' -> bytes (GB and GiB both mean 2**30 here, as GPU specs do)."""
+    t = text.strip().lower().replace(" ", "").removesuffix("b").removesuffix("i")
+    mult = {"k": 2**10, "m": MiB, "g": GiB, "t": 2**40}
+    try:
+        if t and t[-1] in mult:
+            return float(t[:-1]) * mult[t[-1]]
+        return float(t)
+    except ValueError:
+        from grpokit.config import ConfigError
+        raise ConfigError(f"--budget {text!r}: give a size like 24GiB or 512MiB") from None
+
+
+def default_budget(device: str) -> float:
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(0).total_memory)
+    try:
+        import os
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return math.inf

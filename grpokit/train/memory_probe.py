@@ -1,0 +1,219 @@
+"""Measured peak memory of real training steps, to validate the planner (grpokit.train.memory).
+
+Each configuration runs in a fresh Python process (`python -m grpokit.train.memory_probe run ...`):
+it builds the trainer exactly as `grpokit train` does, runs a few steps (no checkpoint, no eval) and
+reports its peak resident memory (`ru_maxrss`) and, on a GPU, `torch.cuda.max_memory_allocated`.
+`validation_table()` builds seeded Qwen2 models of several sizes (nothing downloaded), measures a
+list of configurations and sets the planner's estimate beside each; docs/memory.md shows its output:
+
+    python -m grpokit.train.memory_probe table [--quick] [--out docs/memory_table.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MiB = 2**20
+
+
+def _hwm_mib() -> float:
+    """Peak resident memory of this process so far, MiB (VmHWM; ru_maxrss where /proc is absent)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _child(config: list[str], overrides: list[str], steps: int) -> dict:
+    """Inside the fresh process: build the trainer, run `steps` steps, report peaks."""
+    import torch
+
+    from grpokit.config import load_config
+    from grpokit.train import build_trainer
+
+    marks = {"import": _hwm_mib()}
+    cfg = load_config(config, overrides)
+    tr = build_trainer(cfg, health=False)
+    marks["built"] = _hwm_mib()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tr.step()
+        tr.step_idx += 1
+    out = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "marks": marks,
+           "seconds": time.perf_counter() - t0, "device": str(tr.device)}
+    if tr.device.type == "cuda":
+        out["cuda_peak_mib"] = torch.cuda.max_memory_allocated(tr.device) / MiB
+    return out
+
+
+def measure(config: list[str] | None, overrides: list[str], *, steps: int = 2, timeout: float = 1800) -> dict:
+    """Run `steps` training steps of a configuration in a fresh process; its peak memory (MiB)."""
+    cmd = [sys.executable, "-m", "grpokit.train.memory_probe", "run", "--steps", str(steps),
+           "--json", *(config or []), *overrides]
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if res.returncode != 0:
+        raise RuntimeError(f"measurement failed ({' '.join(overrides)}):\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------- the validation table
+
+
+@dataclass
+class ProbeModel:
+    """A seeded Qwen2 model for the probe: `extra_chars` enlarges the vocabulary (CJK characters)."""
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    extra_chars: int
+    intermediate: int | None = None
+    kv_heads: int | None = None
+
+
+@dataclass
+class ProbeCase:
+    model: str
+    label: str
+    overrides: dict = field(default_factory=dict)
+
+
+MODELS = [ProbeModel("tiny", 64, 2, 4, 0), ProbeModel("small", 256, 4, 4, 4000),
+          ProbeModel("medium", 512, 8, 8, 8000, kv_heads=4)]
+
+BASE = {"rollout.group_size": 8, "rollout.batch_size": 32, "rollout.max_new_tokens": 64, "rollout.ignore_eos": True,
+        "rollout.temperature": 1.0, "optim.micro_batch_size": 16, "algorithm.kl.beta": 0.04,
+        "algorithm.kl.controller": "fixed", "train.progress": False, "train.tensorboard": False,
+        "train.sample_every": 0, "guard.ref_check_every": 0, "rewards": "[{name: exact_match}]"}
+
+CASES = [
+    ProbeCase("tiny", "full fine-tune"),
+    ProbeCase("tiny", "LoRA", {"lora.enabled": True}),
+    ProbeCase("small", "full fine-tune"),
+    ProbeCase("small", "+ gradient checkpointing", {"model.gradient_checkpointing": True}),
+    ProbeCase("small", "LoRA, adapter-off reference", {"lora.enabled": True}),
+    ProbeCase("small", "LoRA + 4-bit", {"lora.enabled": True, "lora.load_in_4bit": True}),
+    ProbeCase("medium", "full fine-tune"),
+    ProbeCase("medium", "+ gradient checkpointing", {"model.gradient_checkpointing": True}),
+    ProbeCase("medium", "full fine-tune, beta = 0 (no reference)", {"algorithm.kl.beta": 0.0}),
+    ProbeCase("medium", "LoRA, adapter-off reference", {"lora.enabled": True}),
+    ProbeCase("medium", "LoRA + reference copy", {"lora.enabled": True, "lora.reference": "copy"}),
+    ProbeCase("medium", "LoRA + gradient checkpointing", {"lora.enabled": True, "model.gradient_checkpointing": True}),
+    ProbeCase("medium", "LoRA + 4-bit", {"lora.enabled": True, "lora.load_in_4bit": True}),
+    ProbeCase("medium", "LoRA, G = 16, 256 new tokens", {"lora.enabled": True, "rollout.group_size": 16,
+                                                          "rollout.batch_size": 64, "rollout.max_new_tokens": 256}),
+]
+QUICK_CASES = [c for c in CASES if c.model in ("tiny", "small")]
+
+
+def build_probe_model(spec: ProbeModel, root: Path) -> Path:
+    """Save a seeded Qwen2 model + char tokenizer (vocabulary enlarged with CJK characters)."""
+    from grpokit.tasks.tiny import DEFAULT_CHARS, build_char_tokenizer, build_tiny_model, save_pretrained
+
+    d = Path(root) / f"model-{spec.name}"
+    if (d / "config.json").is_file():
+        return d
+    tok = build_char_tokenizer(DEFAULT_CHARS + "".join(chr(0x4E00 + i) for i in range(spec.extra_chars)))
+    model = build_tiny_model(tok, hidden=spec.hidden, layers=spec.layers, heads=spec.heads, kv_heads=spec.kv_heads,
+                             intermediate=spec.intermediate, max_positions=512, seed=0)
+    return save_pretrained(model, tok, d)
+
+
+def probe_data(root: Path) -> Path:
+    from grpokit.tasks.arithmetic import ArithmeticTask
+
+    p = Path(root) / "prompts.jsonl"
+    if not p.is_file():
+        rows = ArithmeticTask(seed=0, heldout=8).train_rows(512, 1)
+        p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return p
+
+
+def case_overrides(case: ProbeCase, model_dir: Path, data: Path, run_dir: Path) -> list[str]:
+    kv = {**BASE, "model.path": model_dir, "data.path": data, "train.run_dir": run_dir, **case.overrides}
+    if kv.get("lora.enabled"):
+        kv.setdefault("optim.lr", 1e-4)
+    return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in kv.items()]
+
+
+def validation_table(root: Path, cases: list[ProbeCase] = CASES, *, steps: int = 2, say=print) -> list[dict]:
+    """Measure every case in a fresh process and set the planner's estimate beside it."""
+    from grpokit.config import load_config
+    from grpokit.train.memory import estimate_config
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    data = probe_data(root)
+    dirs = {m.name: build_probe_model(m, root) for m in MODELS if any(c.model == m.name for c in cases)}
+    rows = []
+    for i, case in enumerate(cases):
+        over = case_overrides(case, dirs[case.model], data, root / f"run{i}")
+        if "lora.load_in_4bit=true" in over:
+            from grpokit.train.lora import four_bit_unavailable
+            why = four_bit_unavailable("cpu")
+            if why:
+                say(f"skipped ({why}): {case.model} {case.label}")
+                continue
+        est = estimate_config(load_config(None, over), device="cpu")
+        got = measure(None, over, steps=steps)
+        row = {"model": case.model, "case": case.label, "estimate_mib": est.peak / MiB,
+               "measured_mib": got["peak_rss_mib"], "params_m": est.shape.params / 1e6,
+               "parts": {k: v / MiB for k, v in est.parts.items()}, "phase": est.peak_phase,
+               "seconds": got["seconds"]}
+        row["error"] = row["estimate_mib"] / row["measured_mib"] - 1
+        say(f"{case.model:7s} {case.label:40s} estimate {row['estimate_mib']:8.0f} MiB  measured "
+            f"{row['measured_mib']:8.0f} MiB  ({100 * row['error']:+.1f}%)")
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    out = ["| model | params | configuration | estimate (MiB) | measured peak RSS (MiB) | error | peak phase |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['model']} | {r['params_m']:.1f} M | {r['case']} | {r['estimate_mib']:.0f} | "
+                   f"{r['measured_mib']:.0f} | {100 * r['error']:+.1f}% | {r['phase']} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m grpokit.train.memory_probe")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="(internal) run steps in this process and print the peaks as JSON")
+    r.add_argument("--steps", type=int, default=2)
+    r.add_argument("--json", action="store_true")
+    r.add_argument("args", nargs="*")
+    t = sub.add_parser("table", help="measure the validation cases and print a markdown table")
+    t.add_argument("--quick", action="store_true", help="tiny and small models only")
+    t.add_argument("--root", default="runs/memory_probe")
+    t.add_argument("--out", default=None, help="also write the table (markdown) and rows (.json) here")
+    a = p.parse_args(argv)
+    if a.cmd == "run":
+        import logging
+        logging.basicConfig(level=logging.WARNING)
+        res = _child([x for x in a.args if "=" not in x], [x for x in a.args if "=" in x], a.steps)
+        print(json.dumps(res))
+        return 0
+    rows = validation_table(Path(a.root), QUICK_CASES if a.quick else CASES)
+    md = markdown(rows)
+    print(md)
+    if a.out:
+        Path(a.out).write_text(md + "\n")
+        Path(a.out).with_suffix(".json").write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

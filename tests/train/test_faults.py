@@ -1,0 +1,264 @@
+"""Fault injection into the trainer: NaN and huge logits, failing and constant rewards, a reference
+that changes under the run. Nothing non-finite may reach the weights; bad steps are skipped, counted
+and logged with their cause; K bad steps in a row roll back to the last healthy checkpoint.
+
+Faults are injected with forward hooks on the policy's LM head that act only when gradients are on,
+i.e. in the update's forward pass (sampling and the no-grad log-prob passes are left intact, so the
+batch itself is sound and only the update is poisoned).
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpokit import rewards
+from grpokit.config import load_config
+from grpokit.train import build_trainer
+from grpokit.train import checkpoint as ckpt_lib
+from grpokit.train.guard import ReferenceDriftError, diagnose
+from tests.fixtures import arithmetic_files, small_overrides, tiny_model_dir
+
+if "test_flaky" not in rewards.REGISTRY:
+    @rewards.register("test_flaky")
+    def _flaky(prompts, completions, **columns):
+        """Fails on every other call (a reward service that times out now and then)."""
+        _flaky.calls += 1
+        if _flaky.calls % 2 == 0:
+            raise RuntimeError("reward service unavailable")
+        return [float(sum(ch.isdigit() for ch in c) % 3) for c in completions]
+    _flaky.calls = 0
+
+if "test_constant" not in rewards.REGISTRY:
+    @rewards.register("test_constant")
+    def _constant(prompts, completions, **columns):
+        """The same reward for every completion: every group has zero std."""
+        return [1.0] * len(completions)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults")
+    model_dir = tiny_model_dir(root / "model")
+    train, _ = arithmetic_files(root / "data")
+    return root, model_dir, train
+
+
+def _trainer(setup, name: str, health: bool = True, **over):
+    root, model_dir, train = setup
+    opts = {"rewards": "[{name: test_varied}]", "train.steps": 3, "algorithm.kl.beta": 0.05,
+            "algorithm.kl.controller": "fixed", **over}
+    return build_trainer(load_config(None, small_overrides(model_dir, train, root / name, **opts)), health=health)
+
+
+def _weights(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+
+
+def _rows(run_dir: Path, name: str) -> list[dict]:
+    path = run_dir / name
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+
+
+def _poison(tr, bad_steps, fn):
+    """Apply `fn` to the LM head's logits in the update's forward pass of the given (1-based) steps."""
+    def hook(_module, _inp, out):
+        if torch.is_grad_enabled() and tr.step_idx + 1 in bad_steps:
+            return fn(out)
+        return None
+    return tr.model.get_output_embeddings().register_forward_hook(hook)
+
+
+def _nan(out):
+    return out * float("nan")
+
+
+# ---------------------------------------------------------------------------------------- diagnosis
+
+def test_diagnosis_follows_the_order_cheapest_cause_first():
+    nan = float("nan")
+    assert "reward" in diagnose(rewards=torch.tensor([1.0, nan]), advantages=torch.tensor([nan]))
+    assert "advantages" in diagnose(advantages=torch.tensor([0.0, nan]), ratio_max=float("inf"))
+    assert "zero std" in diagnose(advantages=torch.tensor([nan]), frac_zero_std=0.5)
+    assert "ratio overflow" in diagnose(ratio_max=float("inf"), logp_finite=False)
+    assert "ratio overflow" in diagnose(ratio_max=5e3)
+    assert "non-finite log-probs" in diagnose(ratio_max=2.0, logp_finite=False, logp_min=-1e9)
+    assert "extreme log-probs" in diagnose(logp_min=-1e9, grad_finite=False)
+    assert "gradients" in diagnose(logp_min=-3.0, grad_finite=False)
+    assert "not identified" in diagnose(advantages=torch.tensor([1.0]), ratio_max=1.0, logp_min=-3.0)
+
+
+# ---------------------------------------------------------------------------------------- skip
+
+def test_nan_logits_never_reach_the_weights_and_the_step_is_counted(setup):
+    tr = _trainer(setup, "nan", **{"train.save_every": 1})
+    _poison(tr, {2}, _nan)
+    seen = {}
+    tr.train(progress=lambda step, m: seen.setdefault(step, _weights(tr.model)))
+    run = tr.run_dir
+    assert torch.equal(seen[2], seen[1])                  # the poisoned update changed nothing
+    assert not torch.equal(seen[3], seen[2])              # and training went on
+    assert torch.isfinite(seen[3]).all()
+    rows = _rows(run, "metrics.jsonl")
+    assert [r["guard/skipped_steps"] for r in rows] == [0, 1, 1]
+    assert [r["guard/rollbacks"] for r in rows] == [0, 0, 0]
+    events = _rows(run, "guard.jsonl")
+    assert [(e["event"], e["step"]) for e in events] == [("skip", 2)]
+    assert "non-finite log-probs" in events[0]["cause"]
+    # a checkpoint written after a skipped update is not healthy; the next clean one is
+    marks = {p.name: json.loads((p / "COMPLETE").read_text())["healthy"] for p in ckpt_lib.list_checkpoints(run)}
+    assert marks == {"step_000002": False, "step_000003": True}
+    assert ckpt_lib.healthy_checkpoint(run).name == "step_000003"
+
+
+def _huge(out):
+    return out * 1e30
+
+
+def _huge_gradient(out):
+    """Logits unchanged forward, their gradient scaled by 1e30 backward (an overflow in backward)."""
+    return out + (out * 1e30 - (out * 1e30).detach())
+
+
+@pytest.mark.parametrize("fault, beta, cause", [(_huge, 0.05, "extreme log-probs"), (_huge, 0.0, "extreme log-probs"),
+                                                (_huge_gradient, 0.05, "non-finite gradients")])
+def test_huge_logits_are_skipped_with_their_cause(setup, fault, beta, cause):
+    """Logits scaled by 1e30 stay finite, but the sampled tokens' log-probs reach -1e30: the gradient
+    norm overflows (KL to the reference is clamped, so the loss stays finite) and the guard names the
+    extreme log-probs, which come before the gradient in the diagnosis order. A gradient that
+    overflows on its own is named as such."""
+    tr = _trainer(setup, f"huge{fault.__name__}{beta}", **{"algorithm.kl.beta": beta, "train.steps": 2})
+    _poison(tr, {2}, fault)
+    seen = {}
+    tr.train(progress=lambda step, m: seen.setdefault(step, _weights(tr.model)))
+    assert torch.equal(seen[2], seen[1])
+    events = _rows(tr.run_dir, "guard.jsonl")
+    assert [(e["event"], e["step"]) for e in events] == [("skip", 2)]
+    assert cause in events[0]["cause"]
+    m = _rows(tr.run_dir, "metrics.jsonl")[-1]
+    assert m["guard/skipped_steps"] == 1
+
+
+def test_a_reward_that_throws_now_and_then_is_excluded_not_nan(setup):
+    """A failing reward scores None: its samples get advantage 0 on that step; nothing is skipped."""
+    tr = _trainer(setup, "flaky", **{"rewards": "[{name: test_flaky}]", "train.steps": 4})
+    tr.train()
+    rows = _rows(tr.run_dir, "metrics.jsonl")
+    errors = [r["reward/test_flaky/errors"] for r in rows]
+    assert sum(e > 0 for e in errors) == 2 and sum(e == 0 for e in errors) == 2
+    for r in rows:
+        assert r["guard/skipped_steps"] == 0
+        if r["reward/test_flaky/errors"]:
+            assert r["advantage/std"] == 0.0 and r["group/frac_zero_std"] == 1.0
+        else:
+            assert r["advantage/std"] > 0
+    assert torch.isfinite(_weights(tr.model)).all()
+
+
+@pytest.mark.parametrize("adv_eps", [1e-6, 0.0])
+def test_zero_std_groups_give_advantage_exactly_zero(setup, adv_eps):
+    """Every group with equal rewards: advantage exactly 0 (no 0/0 even with adv_eps = 0), no skip."""
+    tr = _trainer(setup, f"flat{adv_eps}", **{"rewards": "[{name: test_constant}]", "train.steps": 2,
+                                              "algorithm.adv_eps": adv_eps})
+    tr.train()
+    adv = tr._last[3]
+    assert torch.equal(adv, torch.zeros_like(adv))
+    rows = _rows(tr.run_dir, "metrics.jsonl")
+    assert all(r["group/frac_zero_std"] == 1.0 and r["guard/skipped_steps"] == 0 for r in rows)
+    assert all(torch.isfinite(torch.tensor(r["loss/total"])) for r in rows)
+    assert not (tr.run_dir / "guard.jsonl").exists()
+
+
+# ---------------------------------------------------------------------------------------- rollback
+
+def test_k_bad_steps_in_a_row_roll_back_to_the_last_healthy_checkpoint(setup):
+    """NaN in steps 3-5 with K = 3: step 5 rolls back to step 2 (the last healthy checkpoint, kept
+    although keep_last = 1), halves the learning rate and training carries on. The weights are
+    damaged by hand after step 4 so that the rollback has something to undo."""
+    lr = 1e-3
+    tr = _trainer(setup, "rollback", **{"train.save_every": 1, "train.keep_last": 1, "train.steps": 6,
+                                        "guard.max_consecutive_bad": 3, "guard.rollback_lr_factor": 0.5,
+                                        "optim.lr": lr})
+    _poison(tr, {3, 4, 5}, _nan)
+    ckdir = tr.run_dir / "checkpoints"
+    kept, after, adam = {}, {}, {}
+
+    def progress(step, m):
+        kept[step] = sorted(p.name for p in ckdir.iterdir() if p.name.startswith("step_"))
+        after[step] = _weights(tr.model)
+        adam[step] = tr.optimizer.state_dict()["state"][0]["exp_avg"].clone()
+        if step == 4:
+            with torch.no_grad():
+                for p in tr.model.parameters():
+                    p.add_(0.5)
+    tr.train(progress=progress)
+
+    assert kept[3] == ["step_000002", "step_000003"]      # healthy step 2 kept beside the last one
+    assert kept[4] == ["step_000002", "step_000004"]
+    events = _rows(tr.run_dir, "guard.jsonl")
+    assert [(e["event"], e["step"]) for e in events] == [("skip", 3), ("skip", 4), ("skip", 5), ("rollback", 5)]
+    assert events[-1]["to"] == "step_000002" and "non-finite log-probs" in events[-1]["cause"]
+    assert torch.equal(after[5], after[2])                # the step-2 weights are back
+    assert torch.equal(adam[5], adam[2])                  # and its optimizer state
+    assert not torch.equal(after[6], after[5])            # and training goes on from them
+    rows = _rows(tr.run_dir, "metrics.jsonl")
+    assert [r["guard/skipped_steps"] for r in rows] == [0, 0, 1, 2, 3, 3]
+    assert [r["guard/rollbacks"] for r in rows] == [0, 0, 0, 0, 1, 1]
+    assert rows[5]["optim/lr"] == pytest.approx(lr * 0.5)
+    assert rows[1]["optim/lr"] == pytest.approx(lr)
+    # after the rollback the weights are healthy again: step 6's checkpoint is the new healthy one
+    assert ckpt_lib.healthy_checkpoint(tr.run_dir).name == "step_000006"
+    state = ckpt_lib.load_state(tr.run_dir / "checkpoints" / "step_000006")
+    assert state["rollbacks"] == 1 and state["skipped_steps"] == 3
+
+
+@pytest.mark.parametrize("save_every, why", [(1, "2 rollbacks already"), (0, "no healthy checkpoint")])
+def test_a_run_that_keeps_failing_stops_with_an_error(setup, save_every, why):
+    tr = _trainer(setup, f"diverge{save_every}", health=False,
+                  **{"train.save_every": save_every, "train.steps": 8, "guard.max_consecutive_bad": 1,
+                     "guard.max_rollbacks": 2})
+    _poison(tr, set(range(2, 9)), _nan)
+    with pytest.raises(RuntimeError, match=f"training diverged .*{why}"):
+        tr.train()
+    assert tr.rollbacks == (2 if save_every else 0)
+
+
+# ---------------------------------------------------------------------------------------- reference
+
+def _corrupt_reference_after(tr, step: int):
+    def progress(s, m):
+        if s == step:
+            with torch.no_grad():
+                tr.reference.get_output_embeddings().weight.mul_(1.01)   # a bug writes into it
+    return progress
+
+
+def test_a_reference_changed_mid_run_raises_ref_drift(setup):
+    tr = _trainer(setup, "refdrift", **{"train.steps": 5, "guard.ref_check_every": 2})
+    tr.train(progress=_corrupt_reference_after(tr, 2))
+    rows = _rows(tr.run_dir, "metrics.jsonl")
+    drift = {r["step"]: r.get("ref/integrity_drift") for r in rows}
+    assert drift[1] == 0.0 and drift[2] == 0.0            # recorded at step 1, checked every 2 steps
+    assert drift[3] is None and drift[5] is None
+    assert drift[4] > 1e-3
+    alarms = _rows(tr.run_dir, "alarms.jsonl")
+    assert [(a["name"], a["step"]) for a in alarms if a["name"] == "ref_drift"] == [("ref_drift", 4)]
+    assert "ref_drift" in tr.health.summary()
+
+
+def test_strict_reference_check_raises(setup):
+    tr = _trainer(setup, "refstrict", health=False, **{"train.steps": 3, "guard.ref_check_every": 1,
+                                                        "guard.ref_strict": True})
+    with pytest.raises(ReferenceDriftError, match="drifted"):
+        tr.train(progress=_corrupt_reference_after(tr, 1))
+    assert tr.step_idx == 1
+
+
+def test_a_frozen_reference_shows_no_drift_even_with_reference_dropout(setup):
+    tr = _trainer(setup, "refok", **{"train.steps": 3, "guard.ref_check_every": 1,
+                                     "algorithm.kl.ref_dropout": 0.2})
+    tr.train()
+    rows = _rows(tr.run_dir, "metrics.jsonl")
+    assert [r["ref/integrity_drift"] for r in rows] == [0.0, 0.0, 0.0]
+    assert not any(a["name"] == "ref_drift" for a in _rows(tr.run_dir, "alarms.jsonl"))
