@@ -21,7 +21,7 @@ help:
 	@echo "make demo       GRPO teaches a tiny model arithmetic on this CPU (embedded, nothing downloaded)"
 	@echo "make test       the whole test suite"
 	@echo "make test-fast  unit tier only (no end-to-end runs)"
-	@echo "make bench      benchmark against TRL in the same run (see docs/performance.md)"
+	@echo "make bench      benchmark against TRL in the same run (see docs/performance.md; BENCH_ARGS=--help)"
 
 setup: $(STAMP)
 
@@ -46,8 +46,20 @@ demo-quick: $(STAMP)
 compare: $(STAMP)
 	$(VENV)/bin/grpokit compare grpo dr_grpo dapo reinforce grpo_buckets
 
-bench: $(STAMP)
-	$(PY) bench/run.py
+# The benchmark's peer lives in its own environment, pinned: TRL with the project's torch and
+# transformers (trl 1.16.0 requires transformers>=4.56.2, so 5.18.0 satisfies it).
+BENCH_VENV    ?= .venv-bench
+BENCH_STAMP   := $(BENCH_VENV)/.bench-installed
+TRL_VERSION   ?= 1.16.0
+
+$(BENCH_STAMP): Makefile
+	@test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install -q --retries 0 $(TORCH_INDEX) "$(TORCH_SPEC)"
+	$(BENCH_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)" "transformers==5.18.0" "trl==$(TRL_VERSION)"
+	@touch $(BENCH_STAMP)
+
+bench: $(STAMP) $(BENCH_STAMP)
+	$(PY) bench/run.py --trl-python $(BENCH_VENV)/bin/python $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-bench .pytest_cache runs

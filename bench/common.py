@@ -26,7 +26,6 @@ SEED = 0
 SIZES = {
     "small": dict(hidden=128, layers=4, heads=4, intermediate=512),
     "large": dict(hidden=512, layers=8, heads=8, intermediate=2048),
-    "gpu": dict(hidden=1024, layers=24, heads=16, intermediate=4096),   # ~0.5 B with a char vocab? see run_gpu
 }
 
 

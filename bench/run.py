@@ -38,10 +38,12 @@ DOCS = ROOT / "docs" / "performance.md"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 # Each side's best settings that fit in memory (micro-batch = sequences per forward/backward).
-# grpokit: the whole batch of 64 in one forward is fastest, but micro-batches of 16 keep the peak
-# activation memory a quarter as large at a small cost (see docs/performance.md).
-GRPOKIT_MICRO = {"small": 64, "large": 16, "gpu": 64}
-TRL_MICRO = {"small": 64, "large": 64, "gpu": 64}
+# grpokit: the whole batch in one forward where the sequences are short (a 1 M model is bound by
+# per-operation overhead there); otherwise micro-batches, which cost no measurable speed (the GEMMs
+# stay large) and keep the activation memory small. TRL: the whole batch of 64 at once (its fastest;
+# its default gradient checkpointing is off).
+GRPOKIT_MICRO = {("small", 16): 64, ("small", 64): 32, ("large", 16): 16, ("large", 64): 8}
+TRL_MICRO = 64
 
 
 # ------------------------------------------------------------------------------------- preparation
@@ -73,18 +75,32 @@ def prepare(work: Path, sizes: list[str]) -> dict:
     return dims
 
 
-def matmul_peak(n: int = 4096, repeats: int = 5) -> float:
-    """The machine's float32 matmul peak in FLOP/s: best of `repeats` n x n GEMMs."""
+def matmul_peak(n: int = 4096, repeats: int = 5) -> dict:
+    """The machine's float32 matmul peak in FLOP/s: the best of `repeats` n x n x n GEMMs, through
+    torch.matmul (the BLAS, MKL in the CPU wheels) and through oneDNN (the same wheel's other GEMM
+    library, which grpokit uses where it is faster: grpokit/gemm.py). The peak is the larger."""
     import torch
     torch.set_num_threads(common.cores())
     a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best
+
+    def best(fn):
+        fn()
+        t_min = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            t_min = min(t_min, time.perf_counter() - t)
+        return 2 * n ** 3 / t_min
+
+    out = {"blas": best(lambda: a @ b)}
+    try:
+        op = torch.ops.mkldnn._linear_pointwise
+        bt = b.t().contiguous()
+        out["onednn"] = best(lambda: op(a, bt, None, "none", [], ""))
+    except (AttributeError, RuntimeError):
+        pass
+    out["peak"] = max(out.values())
+    return out
 
 
 # --------------------------------------------------------------------------------------- one side
@@ -127,10 +143,10 @@ def run_config(size: str, T: int, variant: str, work: Path, steps: int, pythons:
     tag = f"{size}-{T}-{variant}"
     sides = {
         "grpokit": Side("grpokit", pythons["grpokit"], "side_grpokit.py",
-                        common_argv + ["--micro-batch", str(GRPOKIT_MICRO[size]), "--run-dir", str(work / "runs" / f"grpokit-{tag}")],
+                        common_argv + ["--micro-batch", str(GRPOKIT_MICRO.get((size, T), 16)), "--run-dir", str(work / "runs" / f"grpokit-{tag}")],
                         work / "logs" / f"grpokit-{tag}.log"),
         "trl": Side("trl", pythons["trl"], "side_trl.py",
-                    common_argv + ["--micro-batch", str(TRL_MICRO[size]), "--run-dir", str(work / "runs" / f"trl-{tag}")],
+                    common_argv + ["--micro-batch", str(TRL_MICRO), "--run-dir", str(work / "runs" / f"trl-{tag}")],
                     work / "logs" / f"trl-{tag}.log"),
     }
     out = {name: {"ready": s.read("ready"), "steps": []} for name, s in sides.items()}
@@ -168,7 +184,7 @@ def summarise(side: dict, dims: common.Dims, warmup: int, peak: float) -> dict:
         "peak_rss_mb": side["done"]["peak_rss_mb"],
         "flops_per_step": fl / len(steps),
         "flop_per_s": fl / total_s, "flop_frac_of_peak": fl / total_s / peak,
-        "generation_flop_frac": sum(f["generation"] for f in flops) / max(sum(s["generation_s"] for s in steps), 1e-9) / peak,
+        "generation_flop_per_s": sum(f["generation"] for f in flops) / max(sum(s["generation_s"] for s in steps), 1e-9),
         "settings": side["ready"]["settings"],
     }
 
@@ -218,6 +234,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="small,large")
     ap.add_argument("--lengths", default="16,64")
     ap.add_argument("--variants", default="eos,fixed")
+    ap.add_argument("--configs", default="", help="explicit SIZE-TOKENS-VARIANT list (e.g. small-16-eos,large-64-fixed) "
+                    "instead of the full matrix")
     ap.add_argument("--steps", type=int, default=common.STEPS, help="measured steps (after the warm-up)")
     ap.add_argument("--work", default=str(ROOT / "runs" / "bench"))
     ap.add_argument("--trl-python", default=str(ROOT / ".venv-bench" / "bin" / "python"))
@@ -227,34 +245,43 @@ def main() -> None:
     work = Path(args.work)
     (work / "logs").mkdir(parents=True, exist_ok=True)
     sizes = args.sizes.split(",")
+    if args.configs:
+        configs = [(c.split("-")[0], int(c.split("-")[1]), c.split("-")[2]) for c in args.configs.split(",")]
+        sizes = sorted({c[0] for c in configs}, key=list(common.SIZES).index)
+    else:
+        configs = [(size, int(T), v) for size in sizes for T in args.lengths.split(",") for v in args.variants.split(",")]
     dims = prepare(work, sizes)
-    peak = matmul_peak()
-    print(f"float32 matmul peak: {peak / 1e9:.1f} GFLOP/s ({common.cores()} cores)", flush=True)
+    peaks = [matmul_peak()]
+    peak = peaks[0]["peak"]
+    print("float32 matmul peak: " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in peaks[0].items())
+          + f" GFLOP/s ({common.cores()} cores)", flush=True)
     pythons = {"grpokit": sys.executable, "trl": args.trl_python}
     steps = common.WARMUP_STEPS + args.steps
     results = []
     t_all = time.perf_counter()
-    for size in sizes:
-        for T in [int(x) for x in args.lengths.split(",")]:
-            for variant in args.variants.split(","):
-                raw = run_config(size, T, variant, work, steps, pythons)
-                results.append({"size": size, "max_new_tokens": T, "variant": variant,
-                                "grpokit": summarise(raw["grpokit"], dims[size], common.WARMUP_STEPS, peak),
-                                "trl": summarise(raw["trl"], dims[size], common.WARMUP_STEPS, peak),
-                                "raw": raw})
-    peak = max(peak, matmul_peak())                          # measured again at the end: the better one
+    load_start = os.getloadavg()
+    for size, T, variant in configs:
+        raw = run_config(size, T, variant, work, steps, pythons)
+        results.append({"size": size, "max_new_tokens": T, "variant": variant,
+                        "grpokit": summarise(raw["grpokit"], dims[size], common.WARMUP_STEPS, peak),
+                        "trl": summarise(raw["trl"], dims[size], common.WARMUP_STEPS, peak),
+                        "raw": raw})
+    peaks.append(matmul_peak())                              # measured again at the end: the better one
+    peak = max(p["peak"] for p in peaks)
     for r in results:                                        # FLOP fractions against the final peak
         for side in ("grpokit", "trl"):
             s = r[side]
             s["flop_frac_of_peak"] = s["flop_per_s"] / peak
+            s["generation_flop_frac"] = s["generation_flop_per_s"] / peak
     import torch
     import transformers
     meta = {
         "date": dt.date.today().isoformat(), "host": socket.gethostname(), "cpu": _cpu_name(),
-        "cores": common.cores(), "matmul_peak_flops": peak, "python": platform.python_version(),
+        "cores": common.cores(), "matmul_peak_flops": peak, "matmul_measurements": peaks, "python": platform.python_version(),
         "torch": torch.__version__, "transformers": transformers.__version__,
         "trl": results[0]["raw"]["trl"]["ready"].get("trl") if results else None,
         "params": {s: dims[s + "_params"] for s in sizes}, "seconds": time.perf_counter() - t_all,
+        "load_average": {"start": load_start, "end": os.getloadavg()},
         "command": "make bench  (.venv/bin/python bench/run.py " + " ".join(sys.argv[1:]) + ")",
         "workload": {"prompts_per_step": common.PROMPTS_PER_STEP, "group_size": common.GROUP_SIZE,
                      "temperature": common.TEMPERATURE, "beta": common.BETA, "mu": 1, "lr": common.LR,
@@ -266,8 +293,10 @@ def main() -> None:
     out.mkdir(exist_ok=True)
     stem = f"{meta['date']}-{meta['host']}"
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    md = (f"{meta['date']} on {meta['host']} ({meta['cpu']}, {meta['cores']} cores), torch {meta['torch']}, "
-          f"transformers {meta['transformers']}, trl {meta['trl']}; command: `{meta['command']}`\n\n"
+    md = (f"{meta['date']} on {meta['host']} ({meta['cpu']}, {meta['cores']} cores; 1-minute load average "
+          f"{load_start[0]:.1f} at the start, {meta['load_average']['end'][0]:.1f} at the end), torch {meta['torch']}, "
+          f"transformers {meta['transformers']}, trl {meta['trl']}; {meta['seconds'] / 60:.0f} min; "
+          f"command: `{meta['command']}`\n\n"
           + table + "\n\nTargets:\n" + "\n".join(lines) + "\n")
     (out / f"{stem}.md").write_text(md)
     print("\n" + md)

@@ -137,11 +137,12 @@ def _forward(self, x):
 @contextmanager
 def fast_linears(*models):
     """Within the block, the `nn.Linear` layers of `models` (float32, CPU) compute through `linear`.
-    A no-op when oneDNN is not chosen."""
+    A no-op when oneDNN is not chosen, and for a model with gradient checkpointing on (its layers
+    are recomputed during backward, outside the block: the recomputation must take the same path)."""
     patched = []
     if use_onednn():
         for model in models:
-            if model is None:
+            if model is None or getattr(model, "is_gradient_checkpointing", False):
                 continue
             for mod in model.modules():
                 if type(mod) is torch.nn.Linear and "forward" not in mod.__dict__ and _eligible(mod.weight):

@@ -134,12 +134,15 @@ class NoSignalConfig(AlarmConfig):
 
 
 class RewardHackingConfig(AlarmConfig):
-    eval_window: int = Field(5, ge=2)
-    """Most recent eval points (`eval/pass@1`) the trends are fitted over."""
+    eval_window: int = Field(8, ge=2)
+    """Most recent eval points (`eval/pass@1`) the trends are fitted over. Greedy pass@1 on a small
+    held-out set jumps by ~0.1 between evals in healthy runs; over 5 points such a jump read as a
+    fall (tests/monitor/test_hacking.py), over 8 it does not."""
     min_eval_points: int = Field(3, ge=2)
     """Fewest eval points (each with training reward before it) needed for the trend test."""
-    reward_smooth: int = Field(10, ge=1)
-    """Number of `reward/mean` values up to each eval step that are averaged into its reward level."""
+    reward_smooth: int = Field(20, ge=1)
+    """Number of `reward/mean` values up to each eval step that are averaged into its reward level
+    (with 8 prompts a step, 10 steps left enough noise for a 0.1 'rise' in healthy runs)."""
     min_reward_rise: float = Field(0.1, ge=0.0)
     """Fitted rise of the training reward (reward units) over the eval span that counts as rising."""
     eval_flat: float = Field(0.02, ge=0.0)

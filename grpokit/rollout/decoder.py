@@ -1,9 +1,8 @@
 """A lean forward pass for sampling from dense Llama-family decoders (Qwen2, Llama), with a
 preallocated KV cache. It reads the transformers model's own weights and computes what its
-forward computes (RMSNorm, rotary embeddings, SDPA attention with grouped KV heads, SwiGLU MLP),
-with about a third of the tensor operations and none of the per-call Python machinery (mask
-builders, cache objects, output dataclasses). That machinery dominates a decode step of a small
-model on a CPU; for a large model the step is matmul-bound either way.
+forward computes (RMSNorm, rotary embeddings, attention with grouped KV heads, SwiGLU MLP), with
+about a third of the tensor operations and none of the per-call Python machinery (mask builders,
+cache objects, output dataclasses), which is a large share of a decode step of a small model.
 
 `LeanDecoder.supports(model)` says whether a model qualifies (plain `nn.Linear` projections, default
 rotary embedding, full attention, SiLU MLP, no logit soft-capping); the engine falls back to the
@@ -11,8 +10,10 @@ model's own forward otherwise (LoRA-wrapped or quantized layers, other architect
 
 Deviations from transformers' forward, all within float rounding: the attention projections
 (q, k, v) and the MLP's gate and up projections run as one matmul each, on concatenated copies of
-their weights made once per `generate` call; RMSNorm uses `torch.nn.functional.rms_norm` in
-float32.
+their weights made once per `generate` call (laid out for oneDNN where grpokit.gemm chose it); a
+decode step's attention is two batched matmuls with the query heads of a KV head side by side
+(no KV repeat), which beats the CPU's fused attention kernel at one query per row; RMSNorm uses
+`torch.nn.functional.rms_norm` in float32.
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ from grpokit import gemm
 from grpokit.gemm import linear
 
 _FAMILIES = {"qwen2", "llama"}
-import os
-_ATT = os.environ.get("ATT", "mm")
 
 
 @dataclass
@@ -163,9 +162,7 @@ class LeanDecoder:
                 kc[:, :, start:start + L] = k
                 vc[:, :, start:start + L] = v
                 keys, vals = kc[:, :, :start + L], vc[:, :, :start + L]
-            if L == 1 and _ATT == "sdpa":
-                o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=nkv != nh)
-            elif L == 1:      # decode: batched matmuls, the query heads of a KV head side by side (GQA)
+            if L == 1:      # decode: batched matmuls, the query heads of a KV head side by side (GQA)
                 sc = torch.matmul(q.reshape(n, nkv, nh // nkv, d), keys.transpose(-1, -2)) * self.scale
                 if mask is not None:
                     sc = sc.masked_fill(~mask, float("-inf"))

@@ -215,8 +215,9 @@ def _dequantized(weight) -> torch.Tensor:
 
 @torch.no_grad()
 def merged_state_dict(model) -> dict[str, torch.Tensor]:
-    """The base model's state dict with every adapter folded in: W + scaling * B @ A (4-bit weights
-    dequantized first). The live model is not modified, so the adapter-off reference stays exact."""
+    """The base model's state dict, on the CPU, with every adapter folded in: W + scaling * B @ A
+    (4-bit weights dequantized first, one layer at a time). The live model is not modified, so the
+    adapter-off reference stays exact."""
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
@@ -231,9 +232,9 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
                 if ad in module.lora_A:
                     delta = module.get_delta_weight(ad)           # [out, in], scaling included
                     w = w + delta.to(w.dtype)
-            out[f"{name}.weight"] = w.contiguous()
+            out[f"{name}.weight"] = w.contiguous().cpu()      # one layer at a time on the device
             if getattr(layer, "bias", None) is not None:
-                out[f"{name}.bias"] = layer.bias.detach().clone()
+                out[f"{name}.bias"] = layer.bias.detach().to("cpu", copy=True)
     for name, module in base.named_modules():
         if any(name == p or name.startswith(p + ".") for p in lora_prefixes):
             continue
@@ -241,7 +242,7 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
             key = f"{name}.{pname}" if name else pname
             if key in out or (module._non_persistent_buffers_set and pname in module._non_persistent_buffers_set):
                 continue
-            out[key] = _dequantized(prm) if getattr(prm, "quant_state", None) is not None else prm.detach().clone()
+            out[key] = (_dequantized(prm) if getattr(prm, "quant_state", None) is not None else prm.detach()).to("cpu", copy=True)
     if getattr(base.config, "tie_word_embeddings", False):
         out.pop("lm_head.weight", None)                          # tied: saved once, as the embedding
     return {k: v.contiguous() for k, v in out.items()}

@@ -27,12 +27,14 @@ from dataclasses import dataclass, field
 
 MiB, GiB = 2**20, 2**30
 
-# Resident memory of a CPU training process before any model: Python, torch, transformers, grpokit,
-# tokenizer and data (measured on Linux x86-64, torch 2.13, transformers 5.18: 560-640 MiB).
-CPU_RUNTIME_BYTES = 600 * MiB
+# Resident memory of a CPU training process besides the tensors counted below: Python, torch,
+# transformers, grpokit, tokenizer and data (about 360 MiB once the trainer is built, measured on
+# Linux x86-64 with torch 2.13 and transformers 5.18) plus about 40 MiB that the first backward pass
+# adds (autograd engine, thread pools, allocator caches). Pass another value where the stack differs.
+CPU_RUNTIME_BYTES = 400 * MiB
 # peft and bitsandbytes add their modules and native libraries when LoRA / 4-bit is used.
-CPU_PEFT_BYTES = 60 * MiB
-CPU_BNB_BYTES = 60 * MiB
+CPU_PEFT_BYTES = 50 * MiB
+CPU_BNB_BYTES = 30 * MiB
 CUDA_CONTEXT_BYTES = 500 * MiB
 LOGITS_BUDGET = 256 << 20          # grpokit.train.logprobs: above this the head runs under checkpointing
 
@@ -162,7 +164,8 @@ def weight_bytes(shape: Shape, s: Setup) -> tuple[float, float, int]:
     if s.four_bit:      # decoder linears in 4 bit + absmax per 64-value block (double quant: 8-bit absmax)
         q = shape.linear_params
         per = 0.5 + (1 / 64 + 4 / (64 * 256) if s.double_quant else 4 / 64)
-        base = (shape.params - q) * b + q * per
+        codes = len(shape.linears) * (16 + (256 if s.double_quant else 0)) * 4    # code books per layer
+        base = (shape.params - q) * b + q * per + codes
     if not s.lora:
         return base, 0.0, shape.params
     n_lora = sum(s.rank * (i + o) for i, o in _lora_targets(shape, s.targets).values())

@@ -6,7 +6,7 @@ reports its peak resident memory (`ru_maxrss`) and, on a GPU, `torch.cuda.max_me
 `validation_table()` builds seeded Qwen2 models of several sizes (nothing downloaded), measures a
 list of configurations and sets the planner's estimate beside each; docs/memory.md shows its output:
 
-    python -m grpokit.train.memory_probe table [--quick] [--out docs/memory_table.md]
+    python -m grpokit.train.memory_probe table --out docs/memory_measured.json
 """
 
 from __future__ import annotations
@@ -57,11 +57,17 @@ def _child(config: list[str], overrides: list[str], steps: int) -> dict:
     return out
 
 
-def measure(config: list[str] | None, overrides: list[str], *, steps: int = 2, timeout: float = 1800) -> dict:
-    """Run `steps` training steps of a configuration in a fresh process; its peak memory (MiB)."""
+def measure(config: list[str] | None, overrides: list[str], *, steps: int = 2, live: bool = False,
+            timeout: float = 1800) -> dict:
+    """Run `steps` training steps of a configuration in a fresh process; its peak memory (MiB).
+    `live`: fix glibc's mmap threshold at 64 KiB, so freed tensors leave the process at once and the
+    peak RSS follows the peak of live memory (like `torch.cuda.max_memory_allocated`); by default
+    glibc's dynamic threshold keeps some freed memory in its heap, as in a normal run."""
     cmd = [sys.executable, "-m", "grpokit.train.memory_probe", "run", "--steps", str(steps),
            "--json", *(config or []), *overrides]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    if live:
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if res.returncode != 0:
         raise RuntimeError(f"measurement failed ({' '.join(overrides)}):\n{res.stderr[-3000:]}")
@@ -108,6 +114,7 @@ CASES = [
     ProbeCase("medium", "full fine-tune"),
     ProbeCase("medium", "+ gradient checkpointing", {"model.gradient_checkpointing": True}),
     ProbeCase("medium", "full fine-tune, beta = 0 (no reference)", {"algorithm.kl.beta": 0.0}),
+    ProbeCase("medium", "LoRA, beta = 0 (no reference)", {"lora.enabled": True, "algorithm.kl.beta": 0.0}),
     ProbeCase("medium", "LoRA, adapter-off reference", {"lora.enabled": True}),
     ProbeCase("medium", "LoRA + reference copy", {"lora.enabled": True, "lora.reference": "copy"}),
     ProbeCase("medium", "LoRA + gradient checkpointing", {"lora.enabled": True, "model.gradient_checkpointing": True}),
@@ -131,6 +138,35 @@ def build_probe_model(spec: ProbeModel, root: Path) -> Path:
     return save_pretrained(model, tok, d)
 
 
+def probe_config_dir(spec: ProbeModel, root: Path) -> Path:
+    """The probe model's config.json and tokenizer without weights (all the planner reads)."""
+    import torch
+
+    from grpokit.tasks.tiny import DEFAULT_CHARS, build_char_tokenizer, build_tiny_model
+
+    d = Path(root) / f"config-{spec.name}"
+    if (d / "config.json").is_file():
+        return d
+    tok = build_char_tokenizer(DEFAULT_CHARS + "".join(chr(0x4E00 + i) for i in range(spec.extra_chars)))
+    with torch.device("meta"):
+        model = build_tiny_model(tok, hidden=spec.hidden, layers=spec.layers, heads=spec.heads,
+                                 kv_heads=spec.kv_heads, intermediate=spec.intermediate, max_positions=512, seed=0)
+    d.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def estimate_case(case: ProbeCase, root: Path):
+    """The planner's estimate for a validation case (reads config and tokenizer only)."""
+    from grpokit.config import load_config
+    from grpokit.train.memory import estimate_config
+
+    spec = next(m for m in MODELS if m.name == case.model)
+    over = case_overrides(case, probe_config_dir(spec, root), probe_data(root), Path(root) / "unused")
+    return estimate_config(load_config(None, over), device="cpu")
+
+
 def probe_data(root: Path) -> Path:
     from grpokit.tasks.arithmetic import ArithmeticTask
 
@@ -148,8 +184,11 @@ def case_overrides(case: ProbeCase, model_dir: Path, data: Path, run_dir: Path) 
     return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in kv.items()]
 
 
-def validation_table(root: Path, cases: list[ProbeCase] = CASES, *, steps: int = 2, say=print) -> list[dict]:
-    """Measure every case in a fresh process and set the planner's estimate beside it."""
+def validation_table(root: Path, cases: list[ProbeCase] = CASES, *, steps: int = 2, live: bool = True,
+                     say=print, done: dict | None = None, save=None) -> list[dict]:
+    """Measure every case in a fresh process and set the planner's estimate beside it. `done`:
+    earlier rows by (model, case), reused when their estimate is still the planner's (and, with
+    `live`, they have the live-memory figure); `save(rows)` is called after every case."""
     from grpokit.config import load_config
     from grpokit.train.memory import estimate_config
 
@@ -167,24 +206,33 @@ def validation_table(root: Path, cases: list[ProbeCase] = CASES, *, steps: int =
                 say(f"skipped ({why}): {case.model} {case.label}")
                 continue
         est = estimate_config(load_config(None, over), device="cpu")
+        old = (done or {}).get((case.model, case.label))
+        if old and abs(old["estimate_mib"] - est.peak / MiB) < 0.5 and (old.get("live_mib") or not live):
+            rows.append(old)
+            continue
         got = measure(None, over, steps=steps)
         row = {"model": case.model, "case": case.label, "estimate_mib": est.peak / MiB,
                "measured_mib": got["peak_rss_mib"], "params_m": est.shape.params / 1e6,
+               "live_mib": measure(None, over, steps=steps, live=True)["peak_rss_mib"] if live else None,
                "parts": {k: v / MiB for k, v in est.parts.items()}, "phase": est.peak_phase,
                "seconds": got["seconds"]}
         row["error"] = row["estimate_mib"] / row["measured_mib"] - 1
         say(f"{case.model:7s} {case.label:40s} estimate {row['estimate_mib']:8.0f} MiB  measured "
-            f"{row['measured_mib']:8.0f} MiB  ({100 * row['error']:+.1f}%)")
+            f"{row['measured_mib']:8.0f} MiB  ({100 * row['error']:+.1f}%)  live {row['live_mib'] or 0:8.0f} MiB")
         rows.append(row)
+        if save is not None:
+            save(rows)
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    out = ["| model | params | configuration | estimate (MiB) | measured peak RSS (MiB) | error | peak phase |",
-           "|---|---|---|---|---|---|---|"]
+    out = ["| model | params | configuration | estimate (MiB) | measured peak RSS (MiB) | error | "
+           "live-memory peak (MiB) | error | peak phase |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        live = r.get("live_mib")
+        lv = f"{live:.0f} | {100 * (r['estimate_mib'] / live - 1):+.1f}%" if live else "– | –"
         out.append(f"| {r['model']} | {r['params_m']:.1f} M | {r['case']} | {r['estimate_mib']:.0f} | "
-                   f"{r['measured_mib']:.0f} | {100 * r['error']:+.1f}% | {r['phase']} |")
+                   f"{r['measured_mib']:.0f} | {100 * r['error']:+.1f}% | {lv} | {r['phase']} |")
     return "\n".join(out)
 
 
@@ -198,7 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("table", help="measure the validation cases and print a markdown table")
     t.add_argument("--quick", action="store_true", help="tiny and small models only")
     t.add_argument("--root", default="runs/memory_probe")
-    t.add_argument("--out", default=None, help="also write the table (markdown) and rows (.json) here")
+    t.add_argument("--out", default=None, help="keep the rows (JSON) here; rows already there are reused "
+                   "while their estimate is current")
+    t.add_argument("--no-live", action="store_true", help="skip the live-memory (fixed mmap threshold) runs")
+    t.add_argument("--models", default=None, help="comma-separated probe models to run (default: all)")
     a = p.parse_args(argv)
     if a.cmd == "run":
         import logging
@@ -206,12 +257,25 @@ def main(argv: list[str] | None = None) -> int:
         res = _child([x for x in a.args if "=" not in x], [x for x in a.args if "=" in x], a.steps)
         print(json.dumps(res))
         return 0
-    rows = validation_table(Path(a.root), QUICK_CASES if a.quick else CASES)
-    md = markdown(rows)
-    print(md)
-    if a.out:
-        Path(a.out).write_text(md + "\n")
-        Path(a.out).with_suffix(".json").write_text(json.dumps(rows, indent=2))
+    cases = QUICK_CASES if a.quick else CASES
+    if a.models:
+        cases = [c for c in cases if c.model in a.models.split(",")]
+    store = Path(a.out) if a.out else None
+    done = {}
+    if store is not None and store.is_file():
+        done = {(r["model"], r["case"]): r for r in json.loads(store.read_text())}
+
+    def save(rows):
+        if store is not None:
+            merged = {**done, **{(r["model"], r["case"]): r for r in rows}}
+            order = {(c.model, c.label): i for i, c in enumerate(CASES)}
+            store.write_text(json.dumps(sorted(merged.values(), key=lambda r: order.get((r["model"], r["case"]), 99)),
+                                        indent=2))
+
+    rows = validation_table(Path(a.root), cases, live=not a.no_live, done=done, save=save)
+    if store is not None:
+        rows = json.loads(store.read_text())
+    print(markdown(rows))
     return 0
 
 

@@ -205,7 +205,7 @@ def _hacking_history(passes):
 def test_reward_hacking_fires_when_reward_rises_and_eval_is_flat():
     # Reward level at eval s = mean of reward over t = s-9..s = 0.2 + 0.6 (s - 5.5) / 49: linear,
     # so the fitted rise over s = 10..50 is exactly 0.6 * 40 / 49 = 0.4898 >= 0.1; pass@1 fit ~0.
-    alarm = H.reward_hacking(_hacking_history([0.30, 0.31, 0.29, 0.30, 0.30]), RewardHackingConfig())
+    alarm = H.reward_hacking(_hacking_history([0.30, 0.31, 0.29, 0.30, 0.30]), RewardHackingConfig(reward_smooth=10))
     assert alarm is not None and alarm.value == pytest.approx(0.6 * 40 / 49)
     assert "stayed flat" in alarm.message
 

@@ -1,0 +1,73 @@
+"""The lean decoding path (grpokit.rollout.decoder) against the model's own forward."""
+
+import pytest
+import torch
+
+from grpokit.rollout.base import SamplingParams
+from grpokit.rollout.decoder import LeanDecoder
+from grpokit.rollout.hf import HFEngine
+from grpokit.tasks.tiny import build_char_tokenizer, build_tiny_model
+from grpokit.train.logprobs import build_micro_batch, completion_logprobs
+
+PROMPTS = ["12+3=", "7+80=", "1=", "45+45="]          # different lengths: left padding
+
+
+def _model(arch="qwen2", eos_boost=0.0, kv_heads=None):
+    tok = build_char_tokenizer("0123456789+= ")
+    model = build_tiny_model(tok, arch=arch, hidden=32, layers=2, heads=4, kv_heads=kv_heads, intermediate=64,
+                             max_positions=64, seed=3)
+    if eos_boost:       # make EOS likely, so that rows finish at different steps and leave the batch
+        with torch.no_grad():
+            model.get_output_embeddings().weight[tok.eos_token_id] *= 0
+            model.model.norm.weight += 0.0
+            model.get_output_embeddings().weight[tok.eos_token_id] += eos_boost * model.model.embed_tokens.weight.mean(0)
+    model.eval()
+    return model, tok
+
+
+@pytest.mark.parametrize("arch,kv_heads", [("qwen2", None), ("llama", 2)])
+def test_lean_greedy_equals_the_models_own_forward(arch, kv_heads):
+    model, tok = _model(arch, kv_heads=kv_heads)
+    assert LeanDecoder.supports(model)
+    ids = [tok(p)["input_ids"] for p in PROMPTS]
+    params = SamplingParams(n=3, max_new_tokens=12, temperature=0)
+    lean = HFEngine(model, tok, lean=True).generate(ids, params)
+    plain = HFEngine(model, tok, lean=False).generate(ids, params)
+    assert torch.equal(lean.completion_ids, plain.completion_ids)
+    assert lean.finish_reason == plain.finish_reason
+    torch.testing.assert_close(lean.sampler_logprobs, plain.sampler_logprobs, atol=2e-5, rtol=1e-4)
+
+
+def test_lean_sampling_with_rows_leaving_the_batch():
+    model, tok = _model(eos_boost=3.0)
+    ids = [tok(p)["input_ids"] for p in PROMPTS]
+    batch = HFEngine(model, tok).generate(ids, SamplingParams(n=8, max_new_tokens=16, temperature=1.0),
+                                          torch.Generator().manual_seed(0))
+    lengths = batch.lengths
+    assert len(set(lengths.tolist())) > 3 and "eos" in batch.finish_reason      # ragged, some rows ended early
+    for i, fr in enumerate(batch.finish_reason):
+        n = int(lengths[i])
+        assert (batch.completion_ids[i, n - 1].item() == tok.eos_token_id) == (fr == "eos")
+        assert tok.eos_token_id not in batch.completion_ids[i, :n - 1].tolist()
+        assert (batch.completion_ids[i, n:] == tok.pad_token_id).all()
+    mb = build_micro_batch(list(range(len(batch))), batch.prompt_ids, batch.completion_ids, batch.completion_mask,
+                           tok.pad_token_id)
+    with torch.no_grad():
+        lp, _ = completion_logprobs(model, mb, temperature=1.0)
+    torch.testing.assert_close(lp * mb.mask, batch.sampler_logprobs * batch.completion_mask, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_ignore_eos_runs_every_row_to_the_limit(lean):
+    model, tok = _model(eos_boost=3.0)
+    ids = [tok(p)["input_ids"] for p in PROMPTS]
+    batch = HFEngine(model, tok, lean=lean).generate(
+        ids, SamplingParams(n=4, max_new_tokens=10, temperature=1.0, ignore_eos=True), torch.Generator().manual_seed(0))
+    assert batch.lengths.tolist() == [10] * 16 and set(batch.finish_reason) == {"length"}
+    assert (batch.completion_ids == tok.eos_token_id).any()          # EOS was sampled and did not stop the row
+
+
+def test_unsupported_models_fall_back():
+    model, tok = _model()
+    model.config.hidden_act = "gelu"
+    assert not LeanDecoder.supports(model)

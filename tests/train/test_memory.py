@@ -1,0 +1,178 @@
+"""The memory planner: exact parameter counts, the seed's order, the CLI, and estimates against
+measured peaks of real runs (fresh processes, grpokit.train.memory_probe)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from grpokit.config import load_config
+from grpokit.train import memory as mem
+from grpokit.train import memory_probe as probe
+from grpokit.train.model import load_model
+from tests.fixtures import arithmetic_files, small_overrides, tiny_model_dir
+
+DOC_ROWS = Path(__file__).resolve().parents[2] / "docs" / "memory_measured.json"
+
+# Qwen2.5-7B's published config.json (numbers only; nothing is downloaded)
+QWEN7B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+          "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+          "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
+          "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1e6}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mem")
+    model_dir = tiny_model_dir(root / "model")
+    train, _ = arithmetic_files(root / "data")
+    return root, model_dir, train
+
+
+def _qwen7b_dir(tmp_path) -> Path:
+    d = tmp_path / "qwen7b"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(QWEN7B))
+    return d
+
+
+def test_parameter_counts_are_exact(tiny):
+    _, model_dir, _ = tiny
+    shape = mem.load_shape(str(model_dir))
+    model = load_model(model_dir, dtype="float32", device="cpu")
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    linear = sum(m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head")
+    assert shape.linear_params == linear
+
+
+def test_lora_and_4bit_weight_counts_match_the_libraries(tiny):
+    root, model_dir, train = tiny
+    from grpokit.train.lora import four_bit_unavailable, load_4bit_model, wrap_lora
+
+    cfg = load_config(None, small_overrides(model_dir, train, root / "x", **{"lora.enabled": True, "lora.rank": 4}))
+    shape = mem.load_shape(str(model_dir))
+    setup = mem.setup_from_config(cfg, device="cpu")
+    _, adapters, trainable = mem.weight_bytes(shape, setup)
+    peft_model = wrap_lora(load_model(model_dir, dtype="float32", device="cpu"), cfg.lora)
+    assert trainable == sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    assert adapters == 4 * trainable
+    if four_bit_unavailable("cpu") is None:
+        q = load_4bit_model(model_dir, cfg.lora, dtype="float32", device="cpu")
+        state = {v.data_ptr(): v for k, v in q.state_dict().items()      # a tied head appears twice
+                 if torch.is_tensor(v) and "bitsandbytes__" not in k}     # (a serialisation blob)
+        real = sum(v.numel() * v.element_size() for v in state.values())
+        want = mem.weight_bytes(shape, mem.Setup(**{**setup.__dict__, "four_bit": True}))[0]
+        assert want == pytest.approx(real, rel=0.02)
+
+
+def test_activation_formula_matches_saved_tensors(tiny):
+    """Bytes autograd saves for one decoder layer, per token, against layer_activation_bytes."""
+    _, model_dir, _ = tiny
+    model = load_model(model_dir, dtype="float32", device="cpu")
+    shape = mem.load_shape(str(model_dir))
+    layer = model.model.layers[0]
+    T = 64
+    x = torch.randn(1, T, shape.hidden, requires_grad=True)
+    pos = model.model.rotary_emb(x, torch.arange(T)[None])
+    seen: dict[int, int] = {}
+    params = {p.data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        if t.data_ptr() not in seen and t.data_ptr() not in params and t.numel() > 1:
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, attention_mask=None, position_embeddings=pos)
+    per_token = sum(v for v in seen.values() if v >= T * 4) / T      # tensors that scale with tokens
+    assert per_token == pytest.approx(mem.layer_activation_bytes(shape, 4), rel=0.25)
+
+
+def test_gradient_checkpointing_acts_although_the_policy_is_in_eval_mode(tiny):
+    """transformers checkpoints a layer only in training mode; the trainer keeps eval mode."""
+    root, model_dir, train = tiny
+    from grpokit.train.logprobs import build_micro_batch, completion_logprobs
+
+    grads, calls = [], []
+    for ckpt in (False, True):
+        model = load_model(model_dir, dtype="float32", device="cpu", gradient_checkpointing=ckpt).double()
+        model.eval()
+        n = [0]
+        # a pre-hook: the recomputation stops early, once the last saved tensor is made again
+        model.model.layers[0].mlp.register_forward_pre_hook(lambda *a: n.__setitem__(0, n[0] + 1))
+        ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10]])
+        mb = build_micro_batch([0], [[3, 4, 5]], ids[:, 3:], torch.ones(1, 5, dtype=torch.long), 0)
+        lp, _ = completion_logprobs(model, mb)
+        lp.sum().backward()
+        grads.append(model.model.layers[0].mlp.up_proj.weight.grad.clone())
+        calls.append(n[0])
+        assert not model.model.layers[0].training                     # restored
+    assert calls == [1, 2]                                            # recomputed in backward
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_plan_follows_the_seeds_order_for_a_7b_model_on_24gib(tmp_path):
+    cfg = load_config(["grpo"], [f"model.path={_qwen7b_dir(tmp_path)}", "rollout.max_new_tokens=1024"])
+    shape = mem.load_shape(cfg.model.path)
+    assert shape.params == pytest.approx(7.62e9, rel=0.01)
+    setup = mem.setup_from_config(cfg, device="cuda", prompt_tokens=256)
+    rows = mem.plan(shape, setup, 24 * mem.GiB, lr=cfg.optim.lr, prompts_per_step=cfg.prompts_per_step)
+    names = [r.step for r in rows]
+    assert names[:5] == ["as configured", "gradient checkpointing", "LoRA r=16, adapter-off reference",
+                         "4-bit base weights (QLoRA)", "reference offload to CPU"]
+    assert all(n.startswith(("smaller G", "micro-batch")) for n in names[5:])
+    peaks = [r.peak for r in rows]
+    assert all(a >= b for a, b in zip(peaks, peaks[1:]))               # every cut helps or is a no-op
+    e0 = rows[0].estimate
+    # bf16 full fine-tune: weights, grads, AdamW moments (2x) and a reference copy, 2 bytes each
+    assert e0.parts["weights"] + e0.parts["grads"] + e0.parts["optimizer"] + e0.parts["reference"] == 5 * 2 * shape.params
+    fit = mem.first_fit(rows, 24 * mem.GiB)
+    assert fit is not None and fit.overrides["lora.enabled"] is True and fit.overrides["optim.lr"] == 1e-4
+    assert rows[0].peak > 24 * mem.GiB
+
+
+def test_plan_memory_cli_prints_the_table_and_applies(tiny, tmp_path, capsys):
+    root, model_dir, train = tiny
+    from grpokit.cli import main
+
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text(yaml.safe_dump({"base": "grpo", "model": {"path": str(model_dir)}, "data": {"path": str(train)}}))
+    out = tmp_path / "fit.yaml"
+    # a budget just under the as-configured estimate, so at least one cut is needed
+    first = mem.estimate_config(load_config([str(cfg_file)], ["rollout.max_new_tokens=64"]), device="cpu").peak
+    rc = main(["plan-memory", str(cfg_file), "rollout.max_new_tokens=64", "--device", "cpu",
+               "--budget", f"{int((first - 2**20) / 2**20)}MiB", "--apply", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0 and "gradient checkpointing" in text and "first fit:" in text
+    cfg = load_config([str(out)])
+    assert cfg.model.gradient_checkpointing and cfg.rollout.max_new_tokens == 64
+    assert mem.estimate_config(cfg, device="cpu").peak <= first - 2**20
+    assert main(["plan-memory", str(cfg_file), "--budget", "lots"]) == 2        # a clear user error
+
+
+def test_documented_table_is_current_and_within_25_percent(tmp_path):
+    """docs/memory.md's table (docs/memory_measured.json): every estimate is what the planner says
+    today, and within +-25% of the measured peak RSS of the real run."""
+    rows = json.loads(DOC_ROWS.read_text())
+    assert len(rows) >= 8
+    cases = {(c.model, c.label): c for c in probe.CASES}
+    for r in rows:
+        est = probe.estimate_case(cases[(r["model"], r["case"])], tmp_path).peak / mem.MiB
+        assert est == pytest.approx(r["estimate_mib"], rel=0.005), (r["model"], r["case"])
+        assert abs(r["estimate_mib"] / r["measured_mib"] - 1) <= 0.25, (r["model"], r["case"])
+
+
+def test_estimate_within_25_percent_of_a_real_run(tmp_path):
+    """One fresh-process measurement (the small model, full fine-tune); the rest is `slow`."""
+    rows = probe.validation_table(tmp_path, [probe.CASES[2]], live=False, say=lambda *a: None)
+    assert abs(rows[0]["error"]) <= 0.25
+
+
+@pytest.mark.slow
+def test_estimates_within_25_percent_of_real_runs(tmp_path):
+    rows = probe.validation_table(tmp_path, probe.QUICK_CASES, live=False, say=lambda *a: None)
+    assert len(rows) >= 5
+    for r in rows:
+        assert abs(r["error"]) <= 0.25, (r["model"], r["case"], r["estimate_mib"], r["measured_mib"])
