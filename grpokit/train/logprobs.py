@@ -94,7 +94,9 @@ def padding_fraction(batches: list[MicroBatch]) -> float:
 
 def _head_logprobs(head, softcap, temperature, h, targets, want_entropy: bool):
     with fast_linears(head):                               # also when recomputed by checkpoint
-        logits = head(h).float()                           # [m, t, V]
+        logits = head(h)                                   # [m, t, V]
+    if logits.dtype in (torch.float16, torch.bfloat16):    # log-softmax in float32 at least
+        logits = logits.float()
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     if temperature != 1.0:
@@ -107,48 +109,6 @@ def _head_logprobs(head, softcap, temperature, h, targets, want_entropy: bool):
         p = torch.softmax(logits.detach(), -1)
         ent = lse.detach() - (p * logits.detach()).sum(-1)
     return logp, ent
-
-
-def shares_prompts(model) -> bool:
-    """Whether `completion_logprobs` may run each distinct prompt of a micro-batch once and let its
-    completions attend to that prompt's KV cache: dense Llama-family models (whose cache path is the
-    plain concatenation of keys and values) without gradient checkpointing (transformers turns the
-    cache off under it)."""
-    m = unwrap(model)
-    return (getattr(m.config, "model_type", None) in ("qwen2", "llama")
-            and not getattr(m, "is_gradient_checkpointing", False)
-            and not any(t != "full_attention" for t in (getattr(m.config, "layer_types", None) or [])))
-
-
-def _shared_prompt_states(model, backbone, ids, att, P: int, L: int) -> torch.Tensor | None:
-    """Hidden states [m, L, H] that predict the completion tokens, with each distinct prompt of the
-    micro-batch run once (DESIGN: "the prompt is shared by the group ... in training"): the prompts'
-    forward pass fills a KV cache, whose rows are gathered per completion (a differentiable index,
-    so the prompt's gradient sums over its completions), then the completions run against it. The
-    last completion token is not fed: no completion token is predicted from it. None when the
-    micro-batch has no repeated prompt or the model does not qualify (`shares_prompts`)."""
-    from transformers import DynamicCache
-
-    if P == 0 or not shares_prompts(model):
-        return None
-    key = torch.cat([ids[:, :P], att[:, :P]], 1)
-    uniq, inv = torch.unique(key, dim=0, return_inverse=True)
-    if len(uniq) == len(key):
-        return None
-    u_ids, u_att = uniq[:, :P], uniq[:, P:]
-    cache = DynamicCache(config=unwrap(model).config)
-    out = backbone(input_ids=u_ids, attention_mask=u_att, position_ids=(u_att.cumsum(-1) - 1).clamp(min=0),
-                   past_key_values=cache, use_cache=True)
-    first = out.last_hidden_state[:, -1][inv]                           # [m, H] predicts completion token 0
-    if L == 1:
-        return first[:, None]
-    cache = out.past_key_values
-    cache.batch_select_indices(inv)                                     # prompt KV per completion row
-    att_c = att[:, :P + L - 1]
-    pos = (att_c.cumsum(-1) - 1).clamp(min=0)[:, P:]
-    rest = backbone(input_ids=ids[:, P:P + L - 1], attention_mask=att_c, position_ids=pos,
-                    past_key_values=cache, use_cache=True).last_hidden_state   # [m, L - 1, H]
-    return torch.cat([first[:, None], rest], 1)
 
 
 def completion_logprobs(model, mb: MicroBatch, *, temperature: float = 1.0, chunk_tokens: int = 1024,
@@ -168,12 +128,10 @@ def _completion_logprobs(model, mb, temperature, chunk_tokens, want_entropy, log
     dev = head.weight.device
     ids, att = mb.input_ids.to(dev), mb.attention_mask.to(dev)
     P, L = mb.prompt_len, mb.targets.shape[1]
-    h = _shared_prompt_states(model, backbone, ids, att, P, L)
-    if h is None:
-        pos = (att.cumsum(-1) - 1).clamp(min=0)
-        with layer_checkpointing(backbone, torch.is_grad_enabled()):
-            hidden = backbone(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=False).last_hidden_state
-        h = hidden[:, P - 1:P - 1 + L]                     # [m, L, H] states that predict the completion
+    pos = (att.cumsum(-1) - 1).clamp(min=0)
+    with layer_checkpointing(backbone, torch.is_grad_enabled()):
+        hidden = backbone(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=False).last_hidden_state
+    h = hidden[:, P - 1:P - 1 + L]                         # [m, L, H] states that predict the completion
     targets = mb.targets.to(dev)
     m = h.shape[0]
     vocab = head.weight.shape[0]

@@ -78,7 +78,7 @@ def rss_mb() -> float:
 
 def _stack(per_row: dict[int, torch.Tensor], rows: list[int], L: int, dev) -> torch.Tensor:
     """[len(rows), L] from per-row log-prob vectors (each as long as its completion), zero-padded."""
-    out = torch.zeros(len(rows), L)
+    out = torch.zeros(len(rows), L, dtype=per_row[rows[0]].dtype)
     for k, r in enumerate(rows):
         v = per_row[r][:L]
         out[k, :len(v)] = v

@@ -41,26 +41,3 @@ def test_checkpointed_chunks_give_the_same_gradient():
 def test_plan_groups_similar_lengths():
     plan = plan_micro_batches([5, 50, 6, 49, 7, 51], 2)
     assert plan == [[0, 2], [4, 3], [1, 5]]
-
-
-def test_shared_prompts_give_the_same_logprobs_and_gradient(monkeypatch):
-    # rows 0, 2, 3 share a prompt, rows 1 and 4 another (of a different length): each distinct prompt
-    # runs once and its completions attend to its cache; the result must equal the plain forward
-    import grpokit.train.logprobs as lp_mod
-
-    tok = build_char_tokenizer("0123456789+= ")
-    model = build_tiny_model(tok, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, max_positions=64, seed=1)
-    a, b = tok("12+34=")["input_ids"], tok("5=")["input_ids"]
-    prompts = [a, b, a, a, b]
-    comps = torch.tensor([[5, 6, 1, 0], [7, 8, 9, 1], [4, 1, 0, 0], [9, 9, 9, 9], [3, 0, 0, 0]])
-    mask = (torch.arange(4)[None] < torch.tensor([3, 4, 2, 4, 1])[:, None]).long()
-    mb = build_micro_batch([0, 1, 2, 3, 4], prompts, comps, mask, tok.pad_token_id)
-    out = []
-    for share in (True, False):
-        monkeypatch.setattr(lp_mod, "shares_prompts", lambda m, s=share: s)
-        model.zero_grad()
-        lp, _ = completion_logprobs(model, mb, temperature=0.7)
-        lp.sum().backward()
-        out.append((lp.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
-    torch.testing.assert_close(out[0][0], out[1][0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out[0][1], out[1][1], atol=1e-5, rtol=1e-4)
