@@ -115,7 +115,16 @@ def step_flops(dims: Dims, prompt_lens: list[int], completion_lens: list[int], g
 
 # ------------------------------------------------------------------------------------------ memory
 def peak_rss_mb() -> float:
-    """Peak resident memory of this process so far (Linux reports KiB)."""
+    """Peak resident memory of this process so far, in MiB: VmHWM, the high-water mark of this
+    program's own address space. (`getrusage`'s ru_maxrss is no good here: Linux carries the
+    parent's peak across fork + exec, so every side would report at least the controller's.)"""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
