@@ -24,6 +24,19 @@ from pathlib import Path
 MiB = 2**20
 
 
+def _register_coin() -> None:
+    """A reward that varies for a random model (a hash of the completion, 0 or 1): with beta = 0 the
+    trainer skips samples of zero advantage, so a reward that is 0 everywhere would measure no update."""
+    import zlib
+
+    from grpokit.rewards import REGISTRY, register
+
+    if "memory_probe_coin" not in REGISTRY:
+        @register("memory_probe_coin")
+        def memory_probe_coin(prompts, completions, **columns):
+            return [float(zlib.crc32(c.encode()) & 1) for c in completions]
+
+
 def _hwm_mib() -> float:
     """Peak resident memory of this process so far, MiB (VmHWM; ru_maxrss where /proc is absent)."""
     try:
@@ -42,6 +55,7 @@ def _child(config: list[str], overrides: list[str], steps: int) -> dict:
     from grpokit.config import load_config
     from grpokit.train import build_trainer
 
+    _register_coin()
     marks = {"import": _hwm_mib()}
     cfg = load_config(config, overrides)
     tr = build_trainer(cfg, health=False)
@@ -102,7 +116,7 @@ MODELS = [ProbeModel("tiny", 64, 2, 4, 0), ProbeModel("small", 256, 4, 4, 4000),
 BASE = {"rollout.group_size": 8, "rollout.batch_size": 32, "rollout.max_new_tokens": 64, "rollout.ignore_eos": True,
         "rollout.temperature": 1.0, "optim.micro_batch_size": 16, "algorithm.kl.beta": 0.04,
         "algorithm.kl.controller": "fixed", "train.progress": False, "train.tensorboard": False,
-        "train.sample_every": 0, "guard.ref_check_every": 0, "rewards": "[{name: exact_match}]"}
+        "train.sample_every": 0, "guard.ref_check_every": 0, "rewards": "[{name: memory_probe_coin}]"}
 
 CASES = [
     ProbeCase("tiny", "full fine-tune"),

@@ -152,6 +152,8 @@ def test_plan_memory_cli_prints_the_table_and_applies(tiny, tmp_path, capsys):
     assert main(["plan-memory", str(cfg_file), "--budget", "lots"]) == 2        # a clear user error
 
 
+@pytest.mark.skipif(not DOC_ROWS.is_file(), reason="docs/memory_measured.json not generated yet "
+                    "(python -m grpokit.train.memory_probe table)")
 def test_documented_table_is_current_and_within_25_percent(tmp_path):
     """docs/memory.md's table (docs/memory_measured.json): every estimate is what the planner says
     today, and within +-25% of the measured peak RSS of the real run."""
