@@ -93,8 +93,7 @@ def cmd_demo(args) -> int:
 def cmd_compare(args) -> int:
     from grpokit.compare import compare
 
-    compare(args.presets, seeds=args.seeds, steps=args.steps, eval_every=args.eval_every, run_dir=args.run_dir,
-            quick=args.quick)
+    compare(args.presets, seeds=args.seeds, steps=args.steps, eval_every=args.eval_every, run_dir=args.run_dir)
     return 0
 
 
@@ -189,7 +188,6 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--steps", type=int, default=60)
     c.add_argument("--eval-every", type=int, default=10)
     c.add_argument("--run-dir", default="runs/compare")
-    c.add_argument("--quick", action="store_true", help="use the quick demo's shorter warm start")
     c.set_defaults(fn=cmd_compare)
 
     pm = sub.add_parser("plan-memory", help="estimate peak memory and the seed's order of cuts to fit a budget")

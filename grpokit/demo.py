@@ -38,7 +38,7 @@ class DemoSettings:
     layers: int = 4
     heads: int = 4
     warm_steps: int = 800
-    warm_lr: float = 2e-3
+    warm_lr: float = 1e-3   # 2e-3 stalled 2 of 6 seeds (loss ~0.8, held-out ~2%); 1e-3 converged all 7 tried
     grpo_steps: int = 100
     carry_frac: float = 0.8
     teacher_correct: float = 0.25
@@ -46,7 +46,7 @@ class DemoSettings:
 
     @classmethod
     def quick(cls, seed: int = 0) -> "DemoSettings":
-        return cls(seed=seed, warm_steps=450, grpo_steps=40)
+        return cls(seed=seed, grpo_steps=40)   # same warm start as the full demo (shared cache)
 
     def warm_key(self) -> str:
         keys = ("seed", "hidden", "layers", "heads", "warm_steps", "warm_lr", "carry_frac", "teacher_correct", "heldout")

@@ -16,5 +16,5 @@ def test_quick_demo_gains_accuracy(tmp_path):
                 "teacher_accuracy", "steps", "wall_seconds"):
         assert key in saved
     # GRPO goes beyond what the warm start imitated
-    assert s["accuracy_after"] >= s["accuracy_before"] + 10.0
+    assert s["accuracy_after"] >= s["accuracy_before"] + 20.0   # 38-65 points over seeds 0-5 (docs/demo.md)
     assert (tmp_path / "demo" / "grpo" / "metrics.jsonl").is_file()

@@ -66,6 +66,13 @@ def build_kl_controller(cfg: Config):
     return build_controller(k.controller, beta=k.beta, **args)
 
 
+def _nanmean(vals) -> float:
+    """Mean of the finite-or-inf values, NaN ignored; NaN (without a warning) when there are none."""
+    a = np.asarray(vals, dtype=float)
+    a = a[~np.isnan(a)]
+    return float(a.mean()) if a.size else float("nan")
+
+
 def rss_mb() -> float:
     """Resident memory of this process in MiB (Linux /proc; peak RSS elsewhere)."""
     try:
@@ -154,7 +161,7 @@ class Scored:
         metrics: dict[str, float] = {}
         for k in parts[0].metrics:
             vals = [p.metrics.get(k, float("nan")) for p in parts]
-            metrics[k] = float(np.nansum(vals)) if k.endswith("/errors") else float(np.nanmean(vals))
+            metrics[k] = float(np.nansum(vals)) if k.endswith("/errors") else _nanmean(vals)
         return cls([t for p in parts for t in p.total],
                    {k: [v for p in parts for v in p.per_fn[k]] for k in parts[0].per_fn}, metrics)
 
@@ -330,7 +337,7 @@ class Trainer:
                     micro = [self._micro_step(mb, data, beta, need_kl_loss, n_tok, len(mini)) for mb in mbs]
                 except NonFiniteStep as exc:   # the guard: nothing of this mini-batch reaches the weights
                     self.optimizer.zero_grad(set_to_none=True)
-                    self.scheduler.step()
+                    self._advance_schedule()
                     self.bad_causes.append(str(exc))
                     continue
                 for st, ntok in micro:
@@ -354,7 +361,7 @@ class Trainer:
         out = {k: float(np.mean(v)) for k, v in losses.items()}
         out.update({k: v / max(n_tok_seen, 1) for k, v in tok_sums.items()})
         out["policy/ratio_max"] = ratio_max
-        out["optim/grad_norm"] = float(np.nanmean(grad_norms)) if grad_norms else float("nan")
+        out["optim/grad_norm"] = _nanmean(grad_norms)
         out["update/padding_frac"] = float(np.mean(pads)) if pads else 0.0
         return out
 
@@ -429,10 +436,19 @@ class Trainer:
                 out[f"policy/{'approx_kl_old' if k == 'approx_kl' else k}"] = float(st[k])
         return out, ntok
 
+    def _advance_schedule(self) -> None:
+        """A skipped update still advances the learning-rate schedule (it counts training steps),
+        so torch's 'scheduler before optimizer' warning does not apply."""
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
+            self.scheduler.step()
+
     def _optimizer_step(self, has_grad: bool) -> float:
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if not has_grad:
-            self.scheduler.step()
+            self._advance_schedule()
             return 0.0
         gn = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.max_grad_norm)
         ratio_max, logp_min = getattr(self, "_guard_seen", _NOTHING_SEEN)
@@ -441,7 +457,7 @@ class Trainer:
             # the non-finite guard: this update never reaches the weights; the cause is named in the
             # seed's order (a ratio overflow or extreme log-probs before the gradient itself)
             self.optimizer.zero_grad(set_to_none=True)
-            self.scheduler.step()
+            self._advance_schedule()
             self.bad_causes.append(diagnose(ratio_max=ratio_max, logp_min=logp_min, grad_finite=False))
             return float("nan")
         self.optimizer.step()

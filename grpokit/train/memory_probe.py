@@ -2,7 +2,7 @@
 
 Each configuration runs in a fresh Python process (`python -m grpokit.train.memory_probe run ...`):
 it builds the trainer exactly as `grpokit train` does, runs a few steps (no checkpoint, no eval) and
-reports its peak resident memory (`ru_maxrss`) and, on a GPU, `torch.cuda.max_memory_allocated`.
+reports its peak resident memory (VmHWM, the high-water mark of its own address space) and, on a GPU, `torch.cuda.max_memory_allocated`.
 `validation_table()` builds seeded Qwen2 models of several sizes (nothing downloaded), measures a
 list of configurations and sets the planner's estimate beside each; docs/memory.md shows its output:
 
@@ -64,7 +64,9 @@ def _child(config: list[str], overrides: list[str], steps: int) -> dict:
     for _ in range(steps):
         tr.step()
         tr.step_idx += 1
-    out = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "marks": marks,
+    # not ru_maxrss: Linux carries the parent's resident size at fork into the child's ru_maxrss
+    # across exec, so a probe started from a large process (a long pytest run) would report that
+    out = {"peak_rss_mib": _hwm_mib(), "marks": marks,
            "seconds": time.perf_counter() - t0, "device": str(tr.device)}
     if tr.device.type == "cuda":
         out["cuda_peak_mib"] = torch.cuda.max_memory_allocated(tr.device) / MiB
@@ -198,11 +200,14 @@ def case_overrides(case: ProbeCase, model_dir: Path, data: Path, run_dir: Path) 
     return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in kv.items()]
 
 
-def validation_table(root: Path, cases: list[ProbeCase] = CASES, *, steps: int = 2, live: bool = True,
+def validation_table(root: Path, cases: list[ProbeCase] = CASES, *, steps: int = 2, default_rss: bool = True,
                      say=print, done: dict | None = None, save=None) -> list[dict]:
-    """Measure every case in a fresh process and set the planner's estimate beside it. `done`:
-    earlier rows by (model, case), reused when their estimate is still the planner's (and, with
-    `live`, they have the live-memory figure); `save(rows)` is called after every case."""
+    """Measure every case in fresh processes and set the planner's estimate beside it.
+
+    `measured_mib`: peak RSS with glibc's mmap threshold fixed (`live`), which follows the peak of
+    live memory; `rss_default_mib` (with `default_rss`): peak RSS of a plain run, which adds what
+    glibc keeps in its heap after frees. `done`: earlier rows by (model, case), reused while their
+    estimate is still the planner's; `save(rows)` is called after every case."""
     from grpokit.config import load_config
     from grpokit.train.memory import estimate_config
 
@@ -220,19 +225,23 @@ def validation_table(root: Path, cases: list[ProbeCase] = CASES, *, steps: int =
                 say(f"skipped ({why}): {case.model} {case.label}")
                 continue
         est = estimate_config(load_config(None, over), device="cpu")
-        old = (done or {}).get((case.model, case.label))
-        if old and abs(old["estimate_mib"] - est.peak / MiB) < 0.5 and (old.get("live_mib") or not live):
-            rows.append(old)
-            continue
-        got = measure(None, over, steps=steps)
-        row = {"model": case.model, "case": case.label, "estimate_mib": est.peak / MiB,
-               "measured_mib": got["peak_rss_mib"], "params_m": est.shape.params / 1e6,
-               "live_mib": measure(None, over, steps=steps, live=True)["peak_rss_mib"] if live else None,
-               "parts": {k: v / MiB for k, v in est.parts.items()}, "phase": est.peak_phase,
-               "seconds": got["seconds"]}
+        row = dict((done or {}).get((case.model, case.label)) or {})
+        if not row or abs(row.get("estimate_mib", 0) - est.peak / MiB) >= 0.5:
+            row = {}
+        row.update({"model": case.model, "case": case.label, "estimate_mib": est.peak / MiB,
+                    "params_m": est.shape.params / 1e6, "phase": est.peak_phase,
+                    "parts": {k: v / MiB for k, v in est.parts.items()}})
+        if row.get("measured_mib") is None:
+            got = measure(None, over, steps=steps, live=True)
+            row.update(measured_mib=got["peak_rss_mib"], seconds=got["seconds"])
+        if default_rss and row.get("rss_default_mib") is None:
+            row["rss_default_mib"] = measure(None, over, steps=steps)["peak_rss_mib"]
         row["error"] = row["estimate_mib"] / row["measured_mib"] - 1
-        say(f"{case.model:7s} {case.label:40s} estimate {row['estimate_mib']:8.0f} MiB  measured "
-            f"{row['measured_mib']:8.0f} MiB  ({100 * row['error']:+.1f}%)  live {row['live_mib'] or 0:8.0f} MiB")
+        if row.get("rss_default_mib"):
+            row["error_default"] = row["estimate_mib"] / row["rss_default_mib"] - 1
+        say(f"{case.model:7s} {case.label:40s} estimate {row['estimate_mib']:6.0f} MiB  live peak "
+            f"{row['measured_mib']:6.0f} MiB ({100 * row['error']:+.1f}%)  plain RSS "
+            f"{row.get('rss_default_mib') or 0:6.0f} MiB ({100 * row.get('error_default', 0):+.1f}%)")
         rows.append(row)
         if save is not None:
             save(rows)
@@ -240,13 +249,13 @@ def validation_table(root: Path, cases: list[ProbeCase] = CASES, *, steps: int =
 
 
 def markdown(rows: list[dict]) -> str:
-    out = ["| model | params | configuration | estimate (MiB) | measured peak RSS (MiB) | error | "
-           "live-memory peak (MiB) | error | peak phase |", "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| model | params | configuration | estimate (MiB) | measured peak, live memory (MiB) | error | "
+           "peak RSS of a plain run (MiB) | error | estimated peak phase |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        live = r.get("live_mib")
-        lv = f"{live:.0f} | {100 * (r['estimate_mib'] / live - 1):+.1f}%" if live else "– | –"
+        d = r.get("rss_default_mib")
+        dv = f"{d:.0f} | {100 * (r['estimate_mib'] / d - 1):+.1f}%" if d else "– | –"
         out.append(f"| {r['model']} | {r['params_m']:.1f} M | {r['case']} | {r['estimate_mib']:.0f} | "
-                   f"{r['measured_mib']:.0f} | {100 * r['error']:+.1f}% | {lv} | {r['phase']} |")
+                   f"{r['measured_mib']:.0f} | {100 * r['error']:+.1f}% | {dv} | {r['phase']} |")
     return "\n".join(out)
 
 
@@ -262,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--root", default="runs/memory_probe")
     t.add_argument("--out", default=None, help="keep the rows (JSON) here; rows already there are reused "
                    "while their estimate is current")
-    t.add_argument("--no-live", action="store_true", help="skip the live-memory (fixed mmap threshold) runs")
+    t.add_argument("--no-default", action="store_true", help="skip the plain-run RSS measurements")
     t.add_argument("--models", default=None, help="comma-separated probe models to run (default: all)")
     a = p.parse_args(argv)
     if a.cmd == "run":
@@ -286,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             store.write_text(json.dumps(sorted(merged.values(), key=lambda r: order.get((r["model"], r["case"]), 99)),
                                         indent=2))
 
-    rows = validation_table(Path(a.root), cases, live=not a.no_live, done=done, save=save)
+    rows = validation_table(Path(a.root), cases, default_rss=not a.no_default, done=done, save=save)
     if store is not None:
         rows = json.loads(store.read_text())
     print(markdown(rows))

@@ -15,7 +15,8 @@ Setup, sized for a 2-core CPU (about a minute in all):
   trusted checker kept apart from the training reward) and adds nothing to the reward.
 
 Measured with these seeds: the hacked run's held-out pass@1 falls from 0.64 to 0 within 20 steps
-while its reward rises; `reward_hacking` fires at step 25 (set to stop the run). The clean run
+while its reward rises; `reward_hacking` fires at step 25 here, at step 50 on another CPU (whose
+float rounding takes the run on another path), and stops the run. The clean run
 learns (pass@1 0.33 -> ~0.6) with no alarm. The `reward_hacking` defaults were changed for this
 (eval_window 5 -> 8, reward_smooth 10 -> 20): with the old ones, 4 of 7 clean runs of this setup
 fired it on noise (a 0.1 reward 'rise' over 5 evals with greedy pass@1 dipping by ~0.1).
@@ -39,6 +40,7 @@ pytestmark = pytest.mark.slow
 
 STUTTER = 0.3          # share of demonstrations in which the teacher repeats its answer
 EVAL_EVERY = 5
+HACK_STEPS = 90        # budget for the hacked run; it is stopped by the alarm well before (steps 25-50 seen)
 
 if "test_answer_count" not in rewards.REGISTRY:
     @rewards.register("test_answer_count")
@@ -90,7 +92,7 @@ def _run(root, name: str, reward_specs: str, steps: int, *extra: str):
 
 
 def test_a_reward_that_counts_the_answer_is_hacked_and_an_alarm_fires(warm):
-    tr, rows, alarms = _run(warm, "hacked", "[{name: exact_match, weight: 0.0}, {name: test_answer_count}]", 50,
+    tr, rows, alarms = _run(warm, "hacked", "[{name: exact_match, weight: 0.0}, {name: test_answer_count}]", HACK_STEPS,
                             "health.reward_hacking.action=stop", "health.length_explosion.action=stop")
     tally = tally_alarms(alarms)
     fired = {name: t.first.step for name, t in tally.items()}
@@ -98,7 +100,7 @@ def test_a_reward_that_counts_the_answer_is_hacked_and_an_alarm_fires(warm):
     print(f"\nhacked run: alarms first fired {fired}; eval/pass@1 {evals}; "
           f"reward/mean {[round(r['reward/mean'], 2) for r in rows]}")
     assert {"reward_hacking", "length_explosion"} & set(fired)
-    assert tr.health.should_stop and tr.step_idx < 50            # stopped at the first firing
+    assert tr.health.should_stop and tr.step_idx < HACK_STEPS    # stopped at the first firing
     # it is the hack: held-out accuracy collapsed while the policy writes its answer again (the
     # warm-started model does so in ~25% of samples at temperature 1, never greedily)
     best = max(p for _, p in evals)
