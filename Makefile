@@ -44,7 +44,7 @@ demo-quick: $(STAMP)
 	$(VENV)/bin/grpokit demo --quick
 
 compare: $(STAMP)
-	$(VENV)/bin/grpokit compare grpo dr_grpo dapo reinforce grpo_buckets
+	$(VENV)/bin/grpokit compare grpo dr_grpo dr_grpo_rewrite dapo reinforce grpo_buckets
 
 # The benchmark's peer lives in its own environment, pinned: TRL with the project's torch and
 # transformers (trl 1.16.0 requires transformers>=4.56.2, so 5.18.0 satisfies it).

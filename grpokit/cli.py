@@ -214,11 +214,23 @@ def _split_train_args(args) -> None:
         args.config = [a for a in args.config if "=" not in a]
 
 
+def _quiet_transformers() -> None:
+    """No per-file progress bars from transformers ("Loading weights", "Writing model shards"): the
+    models grpokit loads and saves are local and small, and the bars drown the run's own output."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _split_train_args(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if not args.debug:
+        _quiet_transformers()
     try:
         return args.fn(args)
     except _user_errors() as exc:
