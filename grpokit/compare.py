@@ -22,6 +22,11 @@ from grpokit.tasks.arithmetic import ArithmeticTask
 from grpokit.train.model import load_model, load_tokenizer
 
 
+def label(preset: str) -> str:
+    """A preset's name in tables and run directories: a YAML file's stem, else the name itself."""
+    return Path(preset).stem if preset.endswith((".yaml", ".yml")) else preset
+
+
 def run_one(preset: str, seed: int, s: DemoSettings, root: Path, steps: int, eval_every: int, say) -> dict:
     from grpokit.train import build_rewards
     from grpokit.train.loop import Trainer
@@ -32,7 +37,7 @@ def run_one(preset: str, seed: int, s: DemoSettings, root: Path, steps: int, eva
     data = root / f"train-{seed}.jsonl"
     if not data.is_file():
         data.write_text("".join(json.dumps(r) + "\n" for r in task.train_rows(20000, seed + 7)))
-    run_dir = root / f"{preset}-seed{seed}"
+    run_dir = root / f"{label(preset)}-seed{seed}"
     cfg = load_config(["demo", preset], [f"model.path={warm_dir}", f"data.path={data}", f"train.steps={steps}",
                                          f"train.seed={seed}", f"train.run_dir={run_dir}", "train.progress=false",
                                          f"train.eval_every={eval_every}", "train.save_every=0"])
@@ -45,7 +50,7 @@ def run_one(preset: str, seed: int, s: DemoSettings, root: Path, steps: int, eva
     rows = read_metrics(run_dir)
     kl = [r["kl/ref"] for r in rows if "kl/ref" in r]
     return {
-        "preset": preset, "seed": seed, "wall_seconds": wall,
+        "preset": label(preset), "seed": seed, "wall_seconds": wall,
         "greedy_accuracy": accuracy(model, tok, held),
         "sampled_accuracy": accuracy(model, tok, held, temperature=cfg.rollout.temperature, n=4, seed=seed),
         "length_mean": statistics.mean(r["completion/length_mean"] for r in rows[-10:]),
@@ -76,8 +81,8 @@ def compare(presets: list[str], *, seeds: list[int], steps: int = 60, eval_every
     lines = ["| preset | held-out greedy acc. | sampled acc. | mean length | final KL | wall s |",
              "|---|---|---|---|---|---|"]
     for p in presets:
-        rs = [r for r in results if r["preset"] == p]
-        lines.append(f"| {p} | {_fmt([r['greedy_accuracy'] for r in rs], True)} | "
+        rs = [r for r in results if r["preset"] == label(p)]
+        lines.append(f"| {label(p)} | {_fmt([r['greedy_accuracy'] for r in rs], True)} | "
                      f"{_fmt([r['sampled_accuracy'] for r in rs], True)} | {_fmt([r['length_mean'] for r in rs])} | "
                      f"{_fmt([r['kl_final'] for r in rs])} | {_fmt([r['wall_seconds'] for r in rs])} |")
     table = "\n".join(lines)
@@ -98,7 +103,7 @@ def _chart(results: list[dict], presets: list[str], path: Path) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for p in presets:
-        rs = [r for r in results if r["preset"] == p]
+        rs = [r for r in results if r["preset"] == label(p)]
         acc: dict[int, list[float]] = {}
         length: dict[int, list[float]] = {}
         for r in rs:
@@ -107,9 +112,9 @@ def _chart(results: list[dict], presets: list[str], path: Path) -> None:
                     acc.setdefault(step, []).append(100 * a)
                 length.setdefault(step, []).append(ln)
         xs = sorted(acc)
-        ax1.plot(xs, [statistics.mean(acc[x]) for x in xs], marker="o", label=p)
+        ax1.plot(xs, [statistics.mean(acc[x]) for x in xs], marker="o", label=label(p))
         xs = sorted(length)
-        ax2.plot(xs, [statistics.mean(length[x]) for x in xs], label=p)
+        ax2.plot(xs, [statistics.mean(length[x]) for x in xs], label=label(p))
     ax1.set(title="held-out greedy accuracy (%)", xlabel="step")
     ax2.set(title="mean response length (tokens)", xlabel="step")
     ax1.legend(fontsize=8)

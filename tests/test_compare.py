@@ -11,16 +11,20 @@ from grpokit.demo import DemoSettings
 @pytest.mark.slow
 def test_compare_writes_table_rows_and_chart(tmp_path):
     small = DemoSettings(hidden=32, layers=1, heads=2, warm_steps=30, heldout=24)
-    out = compare(["grpo", "dapo"], seeds=[0, 1], steps=3, eval_every=2, run_dir=tmp_path, settings=small,
-                  say=lambda *a: None)
+    own = tmp_path / "cfg" / "my_dapo.yaml"          # a preset given as a YAML file: named by its stem
+    own.parent.mkdir()
+    own.write_text("base: dapo\n")
+    out = compare(["grpo", str(own)], seeds=[0, 1], steps=3, eval_every=2, run_dir=tmp_path / "runs",
+                  settings=small, say=lambda *a: None)
+    tmp_path = tmp_path / "runs"
     rows = json.loads((tmp_path / "compare.json").read_text())
-    assert sorted((r["preset"], r["seed"]) for r in rows) == [("dapo", 0), ("dapo", 1), ("grpo", 0), ("grpo", 1)]
+    assert sorted((r["preset"], r["seed"]) for r in rows) == [("grpo", 0), ("grpo", 1), ("my_dapo", 0), ("my_dapo", 1)]
     for r in rows:
         assert 0.0 <= r["greedy_accuracy"] <= 100.0 and r["wall_seconds"] > 0
         assert [s for s, *_ in r["curve"]] == [1, 2, 3]
         assert (tmp_path / f"{r['preset']}-seed{r['seed']}" / "metrics.jsonl").is_file()
     table = (tmp_path / "compare.md").read_text()
-    assert "| grpo |" in table and "| dapo |" in table and "24 held-out" in table
+    assert "| grpo |" in table and "| my_dapo |" in table and "24 held-out" in table
     # the table's means are the rows' means
     g = [r["greedy_accuracy"] for r in rows if r["preset"] == "grpo"]
     assert f"{sum(g) / 2:.1f}%" in out["table"].splitlines()[2]

@@ -57,7 +57,7 @@ def build_kl_controller(cfg: Config):
         return build_controller("fixed", beta=0.0)
     args = dict(k.controller_args)
     if k.controller == "adaptive":
-        args = {"low": k.target_low, "high": k.target_high, **args}
+        args = {"low": k.target_low, "high": k.target_high, "factor": k.adapt_factor, **args}
     if k.controller in ("warmup", "schedule"):
         args.setdefault("inner", {"kind": "fixed", "beta": k.beta})
         if k.controller == "schedule":

@@ -163,3 +163,21 @@ def test_nonfinite_kl_raises(kind):
 def test_bad_arguments(kind, kwargs, match):
     with pytest.raises(ValueError, match=match):
         build_controller(kind, **kwargs)
+
+
+def test_trainer_builds_the_adaptive_controller_from_config():
+    """`algorithm.kl.adapt_factor` (default 1.05) and the band reach the trainer's controller;
+    `controller_args` still override them."""
+    from grpokit.config import load_config
+    from grpokit.train.loop import build_kl_controller
+
+    c = build_kl_controller(load_config(["grpo"], []))
+    assert c.beta == pytest.approx(0.02)
+    assert c.step(0.5) == pytest.approx(0.02 * 1.05)             # above the band [0.01, 0.1]
+    assert c.step(0.05) == pytest.approx(0.02 * 1.05)            # inside: unchanged
+    assert c.step(0.001) == pytest.approx(0.02)                  # below: divided
+    c = build_kl_controller(load_config(["grpo"], ["algorithm.kl.adapt_factor=2", "algorithm.kl.target_high=0.2"]))
+    assert c.step(0.15) == pytest.approx(0.02)
+    assert c.step(0.3) == pytest.approx(0.04)
+    c = build_kl_controller(load_config(["grpo"], ["algorithm.kl.controller_args={factor: 1.5}"]))
+    assert c.step(0.5) == pytest.approx(0.03)
