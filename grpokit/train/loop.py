@@ -22,6 +22,7 @@ import math
 import os
 import random
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,7 +68,7 @@ def build_kl_controller(cfg: Config):
 
 
 def _nanmean(vals) -> float:
-    """Mean of the finite-or-inf values, NaN ignored; NaN (without a warning) when there are none."""
+    """Mean with NaNs ignored; NaN (and no warning) when every value is NaN."""
     a = np.asarray(vals, dtype=float)
     a = a[~np.isnan(a)]
     return float(a.mean()) if a.size else float("nan")
@@ -439,8 +440,6 @@ class Trainer:
     def _advance_schedule(self) -> None:
         """A skipped update still advances the learning-rate schedule (it counts training steps),
         so torch's 'scheduler before optimizer' warning does not apply."""
-        import warnings
-
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
             self.scheduler.step()

@@ -2,7 +2,8 @@
 
 Each configuration runs in a fresh Python process (`python -m grpokit.train.memory_probe run ...`):
 it builds the trainer exactly as `grpokit train` does, runs a few steps (no checkpoint, no eval) and
-reports its peak resident memory (VmHWM, the high-water mark of its own address space) and, on a GPU, `torch.cuda.max_memory_allocated`.
+reports its peak resident memory (VmHWM, the high-water mark of its own address space) and, on a
+GPU, `torch.cuda.max_memory_allocated`.
 `validation_table()` builds seeded Qwen2 models of several sizes (nothing downloaded), measures a
 list of configurations and sets the planner's estimate beside each; docs/memory.md shows its output:
 
