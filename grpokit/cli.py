@@ -217,10 +217,8 @@ def _split_train_args(args) -> None:
 def _quiet_transformers() -> None:
     """No per-file progress bars from transformers ("Loading weights", "Writing model shards"): the
     models grpokit loads and saves are local and small, and the bars drown the run's own output."""
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        return
+    from transformers.utils import logging as hf_logging
+
     hf_logging.disable_progress_bar()
 
 

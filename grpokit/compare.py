@@ -80,9 +80,10 @@ def compare(presets: list[str], *, seeds: list[int], steps: int = 60, eval_every
             results.append(run_one(p, seed, s, root, steps, eval_every, say))
     lines = ["| preset | held-out greedy acc. | sampled acc. | mean length | final KL | wall s |",
              "|---|---|---|---|---|---|"]
-    for p in presets:
-        rs = [r for r in results if r["preset"] == label(p)]
-        lines.append(f"| {label(p)} | {_fmt([r['greedy_accuracy'] for r in rs], True)} | "
+    names = [label(p) for p in presets]
+    for name in names:
+        rs = [r for r in results if r["preset"] == name]
+        lines.append(f"| {name} | {_fmt([r['greedy_accuracy'] for r in rs], True)} | "
                      f"{_fmt([r['sampled_accuracy'] for r in rs], True)} | {_fmt([r['length_mean'] for r in rs])} | "
                      f"{_fmt([r['kl_final'] for r in rs])} | {_fmt([r['wall_seconds'] for r in rs])} |")
     table = "\n".join(lines)
@@ -90,20 +91,20 @@ def compare(presets: list[str], *, seeds: list[int], steps: int = 60, eval_every
               f"Accuracy in percent on {(settings or DemoSettings()).heldout} held-out problems.\n\n")
     (root / "compare.md").write_text(header + table + "\n")
     (root / "compare.json").write_text(json.dumps(results, indent=1))
-    _chart(results, presets, root / "compare.png")
+    _chart(results, names, root / "compare.png")
     say(header + table)
     say(f"chart: {root / 'compare.png'}")
     return {"table": table, "results": results}
 
 
-def _chart(results: list[dict], presets: list[str], path: Path) -> None:
+def _chart(results: list[dict], names: list[str], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for p in presets:
-        rs = [r for r in results if r["preset"] == label(p)]
+    for name in names:
+        rs = [r for r in results if r["preset"] == name]
         acc: dict[int, list[float]] = {}
         length: dict[int, list[float]] = {}
         for r in rs:
@@ -112,9 +113,9 @@ def _chart(results: list[dict], presets: list[str], path: Path) -> None:
                     acc.setdefault(step, []).append(100 * a)
                 length.setdefault(step, []).append(ln)
         xs = sorted(acc)
-        ax1.plot(xs, [statistics.mean(acc[x]) for x in xs], marker="o", label=label(p))
+        ax1.plot(xs, [statistics.mean(acc[x]) for x in xs], marker="o", label=name)
         xs = sorted(length)
-        ax2.plot(xs, [statistics.mean(length[x]) for x in xs], label=label(p))
+        ax2.plot(xs, [statistics.mean(length[x]) for x in xs], label=name)
     ax1.set(title="held-out greedy accuracy (%)", xlabel="step")
     ax2.set(title="mean response length (tokens)", xlabel="step")
     ax1.legend(fontsize=8)

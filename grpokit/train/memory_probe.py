@@ -226,9 +226,8 @@ def validation_table(root: Path, cases: list[ProbeCase] = CASES, *, steps: int =
                 say(f"skipped ({why}): {case.model} {case.label}")
                 continue
         est = estimate_config(load_config(None, over), device="cpu")
-        row = dict((done or {}).get((case.model, case.label)) or {})
-        if not row or abs(row.get("estimate_mib", 0) - est.peak / MiB) >= 0.5:
-            row = {}
+        old = (done or {}).get((case.model, case.label))
+        row = dict(old) if old and abs(old["estimate_mib"] - est.peak / MiB) < 0.5 else {}
         row.update({"model": case.model, "case": case.label, "estimate_mib": est.peak / MiB,
                     "params_m": est.shape.params / 1e6, "phase": est.peak_phase,
                     "parts": {k: v / MiB for k, v in est.parts.items()}})

@@ -15,8 +15,8 @@ Setup, sized for a 2-core CPU (about a minute in all):
   trusted checker kept apart from the training reward) and adds nothing to the reward.
 
 Measured with these seeds: the hacked run's held-out pass@1 falls from 0.64 to 0 within 20 steps
-while its reward rises; `reward_hacking` fires at step 25 here, at step 50 on another CPU (whose
-float rounding takes the run on another path), and stops the run. The clean run
+while its reward rises; `reward_hacking` fires and stops the run at step 25-50, depending on the
+float path (seen: 25 and 30 with oneDNN GEMMs here, 50 with BLAS GEMMs and on the CI machine). The clean run
 learns (pass@1 0.33 -> ~0.6) with no alarm. The `reward_hacking` defaults were changed for this
 (eval_window 5 -> 8, reward_smooth 10 -> 20): with the old ones, 4 of 7 clean runs of this setup
 fired it on noise (a 0.1 reward 'rise' over 5 evals with greedy pass@1 dipping by ~0.1).
