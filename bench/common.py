@@ -94,23 +94,20 @@ def step_flops(dims: Dims, prompt_lens: list[int], completion_lens: list[int], g
 
     - generation: each prompt's prefill once (LM head on its last position only), then one decode
       forward per completion token but the last (the last token is sampled, never fed back);
-    - reference: one forward over prompt + completion, LM head on completion positions;
-    - policy: forward + backward (3x forward) over prompt + completion.
+    - reference: one forward over the same positions (each prompt once per group; every completion
+      token but the last, which predicts nothing), LM head on the positions that predict the
+      completion: the same count as generation;
+    - policy: forward + backward (3x the reference forward).
 
-    Padding, finished rows kept in a batch and recomputed prompts are not counted.
+    Padding, finished rows kept in a batch and prompts recomputed per sample are not counted.
     `prompt_lens` and `completion_lens` are per sample (group after group)."""
-    gen = ref = train = 0
+    gen = 0
     for i, (p, c) in enumerate(zip(prompt_lens, completion_lens)):
         if i % group_size == 0:
             gen += dims.sequence_forward(0, p, head_from=p - 1)
         if c > 1:
             gen += dims.sequence_forward(p, c - 1, head_from=p)
-        # training forward: tokens 0..p+c-1 (the last completion token is fed too), head on the
-        # positions that predict the completion: p-1 .. p+c-2
-        fwd = dims.sequence_forward(0, p + c - 1, head_from=p - 1) if c else 0
-        ref += fwd
-        train += 3 * fwd
-    return {"generation": gen, "reference": ref, "policy": train, "total": gen + ref + train}
+    return {"generation": gen, "reference": gen, "policy": 3 * gen, "total": 5 * gen}
 
 
 # ------------------------------------------------------------------------------------------ memory

@@ -49,14 +49,18 @@ def choose(mode: str = "auto") -> None:
     _state["mode"], _state["use"] = mode, None
 
 
-def _time(fn, reps: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.process_time()
+def _race(a, b, rounds: int = 7) -> tuple[float, float]:
+    """Best wall time of `a` and of `b`, each warmed up, then timed in alternation (a b a b ...), so
+    warm-up effects and a burst of other load on the machine fall on both."""
+    for fn in (a, b, a, b):
         fn()
-        best = min(best, time.process_time() - t)
-    return best
+    best = [float("inf"), float("inf")]
+    for _ in range(rounds):
+        for k, fn in enumerate((a, b)):
+            t = time.perf_counter()
+            fn()
+            best[k] = min(best[k], time.perf_counter() - t)
+    return best[0], best[1]
 
 
 def use_onednn() -> bool:
@@ -71,8 +75,7 @@ def use_onednn() -> bool:
             try:
                 x, w = torch.randn(512, 512), torch.randn(1024, 512)
                 op = _op()
-                blas = _time(lambda: F.linear(x, w))
-                dnn = _time(lambda: op(x, w, None, "none", [], ""))
+                blas, dnn = _race(lambda: F.linear(x, w), lambda: op(x, w, None, "none", [], ""))
                 _state["use"] = dnn * 1.15 < blas
             except RuntimeError:
                 _state["use"] = False

@@ -398,13 +398,24 @@ def no_signal(history: History, p: NoSignalConfig) -> Alarm | None:
     )
 
 
+def held_out_metric(history: History) -> str:
+    """The held-out accuracy the reward-hacking trend test follows: `eval/mean@k` (sampled at the
+    rollout temperature, like the training reward) when the run logs it, else `eval/pass@1`
+    (greedy). A policy that only sharpens raises its sampled reward without changing its greedy
+    answers, so against greedy pass@1 a healthy run can look like a hacked one."""
+    if any(_num(row.get("eval/mean@k")) is not None for row in history):
+        return "eval/mean@k"
+    return "eval/pass@1"
+
+
 def _eval_points(history: History, p: RewardHackingConfig) -> tuple[list[float], list[float], list[float]]:
-    """(steps, pass@1, reward level) for up to the last ``eval_window`` eval points."""
+    """(steps, held-out accuracy, reward level) for up to the last ``eval_window`` eval points."""
+    key = held_out_metric(history)
     steps: list[float] = []
     passes: list[float] = []
     rewards: list[float] = []
     for i in range(len(history) - 1, -1, -1):
-        v = _num(history[i].get("eval/pass@1"))
+        v = _num(history[i].get(key))
         if v is None:
             continue
         r = _tail(history, "reward/mean", p.reward_smooth, end=i + 1)
@@ -419,13 +430,14 @@ def _eval_points(history: History, p: RewardHackingConfig) -> tuple[list[float],
 
 @register_rule(
     "reward_hacking", RewardHackingConfig,
-    keys=("reward/mean", "eval/pass@1", "reward/checker_disagreement"),
+    keys=("reward/mean", "eval/pass@1", "eval/mean@k", "reward/checker_disagreement"),
 )
 def reward_hacking(history: History, p: RewardHackingConfig) -> Alarm | None:
     """Training reward rising while held-out accuracy does not, or answer checkers disagreeing.
 
-    Trend test: take the last ``eval_window`` steps s_k with a finite ``eval/pass@1`` p_k (at
-    least ``min_eval_points``); the reward level r_k is the mean of the last ``reward_smooth``
+    Trend test: take the last ``eval_window`` steps s_k with a finite held-out accuracy p_k (at
+    least ``min_eval_points``): ``eval/mean@k`` when the run logs it, else ``eval/pass@1``
+    (`held_out_metric`); the reward level r_k is the mean of the last ``reward_smooth``
     finite ``reward/mean`` values at or before s_k. With least-squares slopes b_r, b_p over
     s and span = s_last − s_first, fire when
         b_r · span ≥ min_reward_rise   and   b_p · span ≤ eval_flat.
@@ -448,7 +460,8 @@ def reward_hacking(history: History, p: RewardHackingConfig) -> Alarm | None:
             return Alarm(
                 "reward_hacking", _step(history), p.action,
                 f"Training reward rose by {d_reward:.3g} over the last {len(steps)} evals "
-                f"(steps {steps[0]:.0f}-{steps[-1]:.0f}) while held-out pass@1 {trend} "
+                f"(steps {steps[0]:.0f}-{steps[-1]:.0f}) while held-out "
+                f"{held_out_metric(history).removeprefix('eval/')} {trend} "
                 f"({d_pass:+.3g}).",
                 advice, d_reward,
             )

@@ -1,7 +1,8 @@
 """Per-token log-probs (and entropy) of completions, without holding [B, T, V] logits at once.
 
-The backbone runs once over prompt + completion; the LM head is applied to the completion
-positions only, in chunks of tokens. When the logits of the whole micro-batch would exceed
+The backbone runs once over prompt + completion (for dense Llama-family models, grpokit's own
+forward, which also runs each distinct prompt once: `grpokit.train.forward`); the LM head is
+applied to the completion positions only, in chunks of tokens. When the logits of the whole micro-batch would exceed
 `logits_budget_bytes`, each chunk runs under activation checkpointing, so backward recomputes the
 chunk's logits instead of keeping them all alive (DESIGN: "log-probs without full-vocabulary logits").
 
@@ -18,6 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from grpokit.gemm import fast_linears
+from grpokit.train import forward as lean_forward
 
 
 def unwrap(model):
@@ -80,16 +82,45 @@ def build_micro_batch(rows: list[int], prompt_ids: list[list[int]], completion_i
                       completion_mask[rows, :L].clone())
 
 
-def plan_micro_batches(total_lengths: list[int], size: int) -> list[list[int]]:
-    """Cut row indices into micro-batches of `size`, grouping sequences of similar total length."""
+def plan_micro_batches(total_lengths: list[int], size: int, prompts: list | None = None) -> list[list[int]]:
+    """Cut row indices into micro-batches of `size`, grouping sequences of similar total length.
+
+    With `prompts` (each row's prompt ids, for a forward that runs each distinct prompt of a
+    micro-batch once: `uses_lean_forward`), a second plan keeps the rows of a prompt together
+    (prompts ordered by their longest row) and the plan that feeds fewer tokens wins: the second
+    saves the repeated prompts, the first the padding of ragged completions."""
     order = sorted(range(len(total_lengths)), key=lambda i: total_lengths[i])
-    return [order[i:i + size] for i in range(0, len(order), size)]
+    by_length = [order[i:i + size] for i in range(0, len(order), size)]
+    if prompts is None:
+        return by_length
+    keys = [tuple(p) for p in prompts]
+    longest: dict[tuple, int] = {}
+    for k, t in zip(keys, total_lengths):
+        longest[k] = max(longest.get(k, 0), t)
+    first = {k: i for i, k in reversed(list(enumerate(keys)))}
+    order = sorted(range(len(keys)), key=lambda i: (longest[keys[i]], first[keys[i]], total_lengths[i]))
+    by_prompt = [order[i:i + size] for i in range(0, len(order), size)]
+
+    def fed(plan):                     # tokens through the layers: distinct prompts + completions
+        n = 0
+        for mb in plan:
+            P = max(len(keys[i]) for i in mb)
+            L = max(total_lengths[i] - len(keys[i]) for i in mb)
+            n += len({keys[i] for i in mb}) * P + len(mb) * max(L - 1, 0)
+        return n
+    return by_prompt if fed(by_prompt) < fed(by_length) else by_length
 
 
 def padding_fraction(batches: list[MicroBatch]) -> float:
     real = sum(int(b.attention_mask.sum()) for b in batches)
     total = sum(b.attention_mask.numel() for b in batches)
     return 1.0 - real / max(total, 1)
+
+
+def uses_lean_forward(model, att: torch.Tensor, P: int) -> bool:
+    """Whether `completion_logprobs` runs grpokit's own forward (`grpokit.train.forward`) for this
+    model and micro-batch: a supported architecture and every row with a prompt token."""
+    return P > 0 and lean_forward.supports(unwrap(model)) and bool(att[:, P - 1].all())
 
 
 def _head_logprobs(head, softcap, temperature, h, targets, want_entropy: bool):
@@ -128,10 +159,13 @@ def _completion_logprobs(model, mb, temperature, chunk_tokens, want_entropy, log
     dev = head.weight.device
     ids, att = mb.input_ids.to(dev), mb.attention_mask.to(dev)
     P, L = mb.prompt_len, mb.targets.shape[1]
-    pos = (att.cumsum(-1) - 1).clamp(min=0)
-    with layer_checkpointing(backbone, torch.is_grad_enabled()):
-        hidden = backbone(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=False).last_hidden_state
-    h = hidden[:, P - 1:P - 1 + L]                         # [m, L, H] states that predict the completion
+    if uses_lean_forward(model, att, P):                   # prompts once, fused ops (grpokit.train.forward)
+        h = lean_forward.prompt_shared_states(unwrap(model), ids, att, P, L)
+    else:
+        pos = (att.cumsum(-1) - 1).clamp(min=0)
+        with layer_checkpointing(backbone, torch.is_grad_enabled()):
+            hidden = backbone(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=False).last_hidden_state
+        h = hidden[:, P - 1:P - 1 + L]                     # [m, L, H] states that predict the completion
     targets = mb.targets.to(dev)
     m = h.shape[0]
     vocab = head.weight.shape[0]

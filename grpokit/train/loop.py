@@ -44,7 +44,9 @@ from grpokit.train import checkpoint as ckpt_lib
 from grpokit.train.dropout import hidden_dropout
 from grpokit.train.evaluate import evaluate
 from grpokit.train.guard import NonFiniteStep, ReferenceDriftError, diagnose
-from grpokit.train.logprobs import MicroBatch, build_micro_batch, completion_logprobs, padding_fraction, plan_micro_batches
+from grpokit.train import forward as lean_forward
+from grpokit.train.logprobs import (MicroBatch, build_micro_batch, completion_logprobs, padding_fraction,
+                                    plan_micro_batches, unwrap)
 from grpokit.train.model import frozen_copy
 from grpokit.train.reference import RefLogprobCache, swapped_in
 from grpokit.train.prompts import PromptEncoder
@@ -237,7 +239,9 @@ class Trainer:
 
     def micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[MicroBatch]:
         totals = [len(batch.prompt_ids[i]) + int(batch.completion_mask[i].sum()) for i in rows]
-        plan = plan_micro_batches(totals, self.cfg.optim.micro_batch_size)
+        lean = lean_forward.supports(unwrap(self.model))     # prompts run once per micro-batch
+        plan = plan_micro_batches(totals, self.cfg.optim.micro_batch_size,
+                                  [batch.prompt_ids[i] for i in rows] if lean else None)
         return [build_micro_batch([rows[j] for j in mb], batch.prompt_ids, batch.completion_ids,
                                   batch.completion_mask, self.tokenizer.pad_token_id) for mb in plan]
 
@@ -460,6 +464,7 @@ class Trainer:
             self.bad_causes.append(diagnose(ratio_max=ratio_max, logp_min=logp_min, grad_finite=False))
             return float("nan")
         self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)   # gradients are not held through the next rollout
         self.scheduler.step()
         return float(gn)
 

@@ -36,5 +36,6 @@ def test_prompt_prefill_counted_once_per_group():
     # decode 848 for the first, nothing for the second (its only token comes from the prefill)
     f = common.step_flops(DIMS, [2, 2], [3, 1], group_size=2)
     assert f["generation"] == 704 + 848
-    # reference of the second sample: positions 0,1 (contexts 1,2), head on position 1
-    assert f["reference"] == 1552 + (2 * 288 + 16 * 3 + 80)
+    # reference: the prompt once for the group, as in generation (recomputing it per sample is not
+    # useful work), then the same completion positions
+    assert f["reference"] == f["generation"] and f["policy"] == 3 * f["reference"]

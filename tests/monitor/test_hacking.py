@@ -10,14 +10,18 @@ Setup, sized for a 2-core CPU (about a minute in all):
   model that never saw text after its answer would not find the hole in a test-sized run. The
   proper reward scores a repeated answer 0, the hackable one 2;
 - GRPO as in the demo preset (G = 8, temperature 1, no KL), 8 prompts a step, lr 2e-4, completions
-  of up to 24 tokens, greedy exact-match pass@1 on 100 held-out problems every 5 steps. In the
+  of up to 24 tokens, greedy exact-match pass@1 and sampled mean@4 on 100 held-out problems every
+  5 steps (the alarm follows mean@k: sampled, like the training reward). In the
   hacked run exact match is listed first with weight 0: it is the pass criterion of the eval (a
   trusted checker kept apart from the training reward) and adds nothing to the reward.
 
 Measured with these seeds: the hacked run's held-out pass@1 falls from 0.64 to 0 within 20 steps
-while its reward rises; `reward_hacking` fires and stops the run at step 25-50, depending on the
-float path (seen: 25 and 30 with oneDNN GEMMs here, 50 with BLAS GEMMs and on the CI machine). The clean run
-learns (pass@1 0.33 -> ~0.6) with no alarm. The `reward_hacking` defaults were changed for this
+while its reward rises; `reward_hacking` fires and stops the run at step 25-55, depending on the
+float path (following greedy pass@1: 25 and 30 with oneDNN GEMMs, 50 with BLAS GEMMs and on the CI
+machine; following mean@4: 40 with oneDNN, 55 with BLAS). The clean run learns (pass@1 0.33 -> ~0.6)
+with no alarm. Against greedy pass@1 the clean run fired on one float path (grpokit's own training
+forward): its sampled reward rose by 0.104 as the policy sharpened while greedy pass@1 wandered
+between 0.57 and 0.76; mean@k, sampled like the reward, rises with it. The `reward_hacking` defaults were changed for this
 (eval_window 5 -> 8, reward_smooth 10 -> 20): with the old ones, 4 of 7 clean runs of this setup
 fired it on noise (a 0.1 reward 'rise' over 5 evals with greedy pass@1 dipping by ~0.1).
 """
@@ -40,7 +44,8 @@ pytestmark = pytest.mark.slow
 
 STUTTER = 0.3          # share of demonstrations in which the teacher repeats its answer
 EVAL_EVERY = 5
-HACK_STEPS = 90        # budget for the hacked run; it is stopped by the alarm well before (steps 25-50 seen)
+EVAL_SAMPLES = 4       # held-out mean@k, which the reward-hacking test follows (sampled, like the reward)
+HACK_STEPS = 120       # budget for the hacked run; it is stopped by the alarm well before (steps 25-55 seen)
 
 if "test_answer_count" not in rewards.REGISTRY:
     @rewards.register("test_answer_count")
@@ -80,7 +85,7 @@ def _run(root, name: str, reward_specs: str, steps: int, *extra: str):
     cfg = load_config(["demo"], [
         f"model.path={root / 'warm'}", f"data.path={root / 'train.jsonl'}",
         f"data.eval_path={root / 'heldout.jsonl'}", f"train.run_dir={root / name}", f"train.steps={steps}",
-        f"train.eval_every={EVAL_EVERY}", "train.save_every=0", "train.sample_every=0", "train.progress=false",
+        f"train.eval_every={EVAL_EVERY}", f"train.eval_samples={EVAL_SAMPLES}", "train.save_every=0", "train.sample_every=0", "train.progress=false",
         "rollout.max_new_tokens=24", "rollout.batch_size=64", "optim.lr=2e-4", "optim.micro_batch_size=64",
         f"rewards={reward_specs}", *extra])
     tr = build_trainer(cfg)
@@ -97,7 +102,8 @@ def test_a_reward_that_counts_the_answer_is_hacked_and_an_alarm_fires(warm):
     tally = tally_alarms(alarms)
     fired = {name: t.first.step for name, t in tally.items()}
     evals = [(r["step"], r["eval/pass@1"]) for r in rows if "eval/pass@1" in r]
-    print(f"\nhacked run: alarms first fired {fired}; eval/pass@1 {evals}; "
+    sampled = [round(r["eval/mean@k"], 3) for r in rows if "eval/mean@k" in r]
+    print(f"\nhacked run: alarms first fired {fired}; eval/pass@1 {evals}; mean@k {sampled}; "
           f"reward/mean {[round(r['reward/mean'], 2) for r in rows]}")
     assert {"reward_hacking", "length_explosion"} & set(fired)
     assert tr.health.should_stop and tr.step_idx < HACK_STEPS    # stopped at the first firing

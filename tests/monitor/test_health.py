@@ -223,6 +223,21 @@ def test_reward_hacking_quiet(passes):
     assert H.reward_hacking(_hacking_history(passes), RewardHackingConfig()) is None
 
 
+def test_reward_hacking_follows_sampled_held_out_accuracy_when_logged():
+    # greedy pass@1 flat while the sampled held-out accuracy rises with the (sampled) training
+    # reward: a policy sharpening on answers it already got right greedily, not a hack
+    hist = _hacking_history([0.30, 0.31, 0.29, 0.30, 0.30])
+    for k, m in enumerate([0.2, 0.3, 0.4, 0.5, 0.6]):
+        hist[10 * (k + 1) - 1]["eval/mean@k"] = m
+    assert H.held_out_metric(hist) == "eval/mean@k"
+    assert H.reward_hacking(hist, RewardHackingConfig()) is None
+    # the sampled held-out accuracy falling while the reward rises: fires, and says which metric
+    for k, m in enumerate([0.5, 0.45, 0.4, 0.35, 0.3]):
+        hist[10 * (k + 1) - 1]["eval/mean@k"] = m
+    alarm = H.reward_hacking(hist, RewardHackingConfig())
+    assert alarm is not None and "held-out mean@k fell" in alarm.message
+
+
 def test_reward_hacking_ignores_eval_before_any_reward():
     # An eval at step 0 (before training) has no reward level, so only 2 usable points remain.
     hist = [{"step": 0, "eval/pass@1": 0.9}] + _hacking_history([0.3, 0.3])

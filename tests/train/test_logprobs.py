@@ -41,3 +41,18 @@ def test_checkpointed_chunks_give_the_same_gradient():
 def test_plan_groups_similar_lengths():
     plan = plan_micro_batches([5, 50, 6, 49, 7, 51], 2)
     assert plan == [[0, 2], [4, 3], [1, 5]]
+
+
+def test_plan_keeps_a_prompts_rows_together_when_that_feeds_fewer_tokens():
+    # two prompts of 10 tokens, 4 rows each, completions of 2-5 tokens: sorting by length mixes the
+    # prompts in every micro-batch (each runs twice); keeping them together runs each once
+    prompts = [[1] * 10] * 4 + [[2] * 10] * 4
+    comp = [2, 5, 3, 4, 5, 2, 4, 3]
+    plan = plan_micro_batches([10 + c for c in comp], 4, prompts)
+    assert sorted(map(sorted, plan)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # one-token prompts and very ragged completions: padding costs more than repeated prompts
+    prompts = [[1]] * 4 + [[2]] * 4
+    comp = [1, 60, 2, 61, 59, 1, 62, 2]
+    plan = plan_micro_batches([1 + c for c in comp], 4, prompts)
+    assert plan == plan_micro_batches([1 + c for c in comp], 4)
+    assert sorted(map(sorted, plan)) == [[0, 2, 5, 7], [1, 3, 4, 6]]

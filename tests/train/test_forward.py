@@ -1,0 +1,136 @@
+"""grpokit's own training forward (grpokit.train.forward) against the model's forward: log-probs and
+gradients, with repeated prompts of different lengths, ragged completions, grouped KV heads; and the
+cases where it must step aside."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from grpokit.tasks.tiny import build_char_tokenizer, build_tiny_model
+from grpokit.train import forward as lean
+from grpokit.train.dropout import hidden_dropout
+from grpokit.train.logprobs import build_micro_batch, completion_logprobs, uses_lean_forward
+
+
+def _model(arch, seed=1, dtype=torch.float64):
+    """A tiny model; in float64 its RMSNorms normalise in float64 too (transformers' own normalise
+    in float32 whatever the dtype), so both paths compute the same function to float64 rounding."""
+    tok = build_char_tokenizer("0123456789+= ")
+    model = build_tiny_model(tok, arch=arch, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64,
+                             max_positions=64, seed=seed).to(dtype)
+    if dtype == torch.float64:
+        for mod in model.modules():
+            if type(mod).__name__.endswith("RMSNorm"):
+                mod.forward = lambda x, mod=mod: F.rms_norm(x, (x.shape[-1],), mod.weight, mod.variance_epsilon)
+    return tok, model
+
+
+def _batch(tok, L=5):
+    # prompts a (x3), b (x2), c (x1) of lengths 6, 2, 4: left padding differs per prompt; the
+    # completions end at different places (one of length 1)
+    a, b, c = (tok(p)["input_ids"] for p in ("12+34=", "5=", "9+9="))
+    prompts = [a, b, a, c, a, b]
+    g = torch.Generator().manual_seed(0)
+    comps = torch.randint(3, 12, (len(prompts), L), generator=g)
+    lens = torch.tensor([3, L, 1, L, 2, 4])[:len(prompts)].clamp(max=L)
+    mask = (torch.arange(L)[None] < lens[:, None]).long()
+    return build_micro_batch(list(range(len(prompts))), prompts, comps, mask, tok.pad_token_id)
+
+
+def _reference(model, mb, temperature):
+    """Log-probs from the model's own full forward and full-vocabulary logits."""
+    att = mb.attention_mask
+    pos = (att.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=mb.input_ids, attention_mask=att, position_ids=pos).logits / temperature
+    P, L = mb.prompt_len, mb.targets.shape[1]
+    return torch.log_softmax(logits[:, P - 1:P - 1 + L], -1).gather(-1, mb.targets[..., None]).squeeze(-1) * mb.mask
+
+
+def _grads(model):
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("L", [5, 1])
+def test_lean_forward_equals_the_models_forward(arch, L):
+    tok, model = _model(arch)
+    mb = _batch(tok, L)
+    assert uses_lean_forward(model, mb.attention_mask, mb.prompt_len)
+    w = torch.randn(mb.targets.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    model.zero_grad()
+    want = _reference(model, mb, 0.7)
+    (want * w).sum().backward()
+    g_want = _grads(model).clone()
+    model.zero_grad()
+    got, _ = completion_logprobs(model, mb, temperature=0.7)
+    (got * w).sum().backward()
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(_grads(model), g_want, atol=1e-10, rtol=1e-8)
+    assert _grads(model).abs().sum() > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_lean_forward_matches_in_float32(arch):
+    tok, model = _model(arch, dtype=torch.float32)
+    mb = _batch(tok)
+    model.zero_grad()
+    want = _reference(model, mb, 1.0)
+    want.sum().backward()
+    g_want = _grads(model).clone()
+    model.zero_grad()
+    got, _ = completion_logprobs(model, mb)
+    got.sum().backward()
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(_grads(model), g_want, atol=2e-5, rtol=1e-4)
+
+
+def test_shared_prompts_get_the_sum_of_their_completions_gradients():
+    # a prompt's embedding gradient must be the same whether its completions come in one
+    # micro-batch (prompt run once, gathered) or one row at a time (prompt run per row)
+    tok, model = _model("qwen2")
+    mb = _batch(tok)
+    emb = model.get_input_embeddings().weight
+    model.zero_grad()
+    completion_logprobs(model, mb)[0].sum().backward()
+    together = emb.grad.clone()
+    model.zero_grad()
+    for r in range(mb.input_ids.shape[0]):
+        one = build_micro_batch([0], [mb.input_ids[r, :mb.prompt_len][mb.attention_mask[r, :mb.prompt_len].bool()].tolist()],
+                                mb.targets[r:r + 1], mb.mask[r:r + 1], tok.pad_token_id)
+        completion_logprobs(model, one)[0].sum().backward()
+    torch.testing.assert_close(emb.grad, together, atol=1e-10, rtol=1e-8)
+
+
+def test_lean_forward_steps_aside_where_it_would_be_wrong():
+    tok, model = _model("qwen2")
+    mb = _batch(tok)
+    att, P = mb.attention_mask, mb.prompt_len
+    # forward hooks on the decoder (reference dropout): the model's forward must run, so they act
+    with hidden_dropout(model, 0.5):
+        assert not uses_lean_forward(model, att, P)
+        torch.manual_seed(0)
+        dropped, _ = completion_logprobs(model, mb)
+    plain, _ = completion_logprobs(model, mb)
+    assert not torch.allclose(dropped, plain)
+    assert uses_lean_forward(model, att, P)
+    # an empty prompt row
+    assert not uses_lean_forward(model, torch.zeros_like(att), P)
+    # attention dropout in training mode
+    model.config.attention_dropout = 0.1
+    model.train()
+    assert not lean.supports(model)
+    model.eval()
+    assert lean.supports(model)
+    # gradient checkpointing: transformers' forward checkpoints its layers
+    model.gradient_checkpointing_enable()
+    assert not uses_lean_forward(model, att, P)
+
+
+def test_lora_wrapped_models_use_the_models_forward():
+    peft = pytest.importorskip("peft")
+    tok, model = _model("qwen2")
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    mb = _batch(tok)
+    assert not uses_lean_forward(wrapped, mb.attention_mask, mb.prompt_len)
+    got, _ = completion_logprobs(wrapped, mb)
+    torch.testing.assert_close(got, _reference(wrapped, mb, 1.0), atol=1e-10, rtol=1e-10)
