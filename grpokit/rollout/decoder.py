@@ -13,7 +13,7 @@ Deviations from transformers' forward, all within float rounding: the attention 
 their weights made once per `generate` call (laid out for oneDNN where grpokit.gemm chose it); a
 decode step's attention is two batched matmuls with the query heads of a KV head side by side
 (no KV repeat), which beats the CPU's fused attention kernel at one query per row; RMSNorm uses
-`torch.nn.functional.rms_norm` in float32.
+`torch.nn.functional.rms_norm` in float32 and float64 (`rms_norm`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,16 @@ from grpokit import gemm
 from grpokit.gemm import linear
 
 _FAMILIES = {"qwen2", "llama"}
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as one fused operation in float32 and float64 (transformers normalises in float32
+    whatever the dtype, so in float64 this is the more exact of the two); half precision as
+    transformers does it: normalise in float32, cast back, then scale."""
+    if x.dtype in (torch.float32, torch.float64):
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    h = x.float()
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 @dataclass
@@ -112,11 +122,7 @@ class LeanDecoder:
 
     # ------------------------------------------------------------------ pieces
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, w.shape, w, self.eps)
-        h = x.float()                      # transformers: normalise in float32, cast, then scale
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return w * h.to(x.dtype)
+        return rms_norm(x, w, self.eps)
 
     def rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [length, head_dim] for positions 0..length-1, as transformers computes them."""

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from grpokit.gemm import linear
 from grpokit.rollout.decoder import LeanDecoder
-
+from grpokit.rollout.decoder import rms_norm as _rms
 
 _enabled = True
 
@@ -59,13 +59,6 @@ def supports(model) -> bool:
     if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
         return False
     return not any(mod._forward_hooks or mod._forward_pre_hooks for mod in inner.modules())
-
-
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype in (torch.float32, torch.float64):          # (transformers: float32 even for float64)
-        return F.rms_norm(x, (x.shape[-1],), w, eps)
-    h = x.float()                      # half precision as transformers: normalise in float32, cast, scale
-    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

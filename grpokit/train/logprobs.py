@@ -2,9 +2,9 @@
 
 The backbone runs once over prompt + completion (for dense Llama-family models, grpokit's own
 forward, which also runs each distinct prompt once: `grpokit.train.forward`); the LM head is
-applied to the completion positions only, in chunks of tokens. When the logits of the whole micro-batch would exceed
-`logits_budget_bytes`, each chunk runs under activation checkpointing, so backward recomputes the
-chunk's logits instead of keeping them all alive (DESIGN: "log-probs without full-vocabulary logits").
+applied to the completion positions only, in chunks of tokens. When the logits of the whole
+micro-batch would exceed `logits_budget_bytes`, each chunk runs under activation checkpointing, so
+backward recomputes the chunk's logits instead of keeping them all alive (DESIGN: "log-probs without full-vocabulary logits").
 
 Micro-batches are built from sequences of similar length (`plan_micro_batches`) and trimmed to
 their own longest prompt and completion, so padding stays small.
