@@ -408,9 +408,8 @@ def held_out_metric(history: History) -> str:
     return "eval/pass@1"
 
 
-def _eval_points(history: History, p: RewardHackingConfig) -> tuple[list[float], list[float], list[float]]:
-    """(steps, held-out accuracy, reward level) for up to the last ``eval_window`` eval points."""
-    key = held_out_metric(history)
+def _eval_points(history: History, p: RewardHackingConfig, key: str) -> tuple[list[float], list[float], list[float]]:
+    """(steps, held-out accuracy `key`, reward level) for up to the last ``eval_window`` eval points."""
     steps: list[float] = []
     passes: list[float] = []
     rewards: list[float] = []
@@ -450,7 +449,8 @@ def reward_hacking(history: History, p: RewardHackingConfig) -> Alarm | None:
         "high-reward samples, tighten the answer checker (look at the cases where checkers "
         "disagree), and keep a held-out evaluation."
     )
-    steps, passes, rewards = _eval_points(history, p)
+    key = held_out_metric(history)
+    steps, passes, rewards = _eval_points(history, p, key)
     if len(steps) >= p.min_eval_points:
         span = steps[-1] - steps[0]
         d_reward = _slope(steps, rewards) * span
@@ -461,7 +461,7 @@ def reward_hacking(history: History, p: RewardHackingConfig) -> Alarm | None:
                 "reward_hacking", _step(history), p.action,
                 f"Training reward rose by {d_reward:.3g} over the last {len(steps)} evals "
                 f"(steps {steps[0]:.0f}-{steps[-1]:.0f}) while held-out "
-                f"{held_out_metric(history).removeprefix('eval/')} {trend} "
+                f"{key.removeprefix('eval/')} {trend} "
                 f"({d_pass:+.3g}).",
                 advice, d_reward,
             )

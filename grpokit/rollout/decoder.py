@@ -121,9 +121,6 @@ class LeanDecoder:
         self.v: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------ pieces
-    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, w, self.eps)
-
     def rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [length, head_dim] for positions 0..length-1, as transformers computes them."""
         pos = torch.arange(length, dtype=torch.float32, device=self.device)
@@ -153,7 +150,7 @@ class LeanDecoder:
         half = d // 2
         causal = mask is None and L > 1
         for i, p in enumerate(self.layers):
-            h = self._rms(x, p.ln_in)
+            h = rms_norm(x, p.ln_in, self.eps)
             qkv = linear(h, p.w_qkv, p.b_qkv).view(n, L, nh + 2 * nkv, d).transpose(1, 2)   # [n, h, L, d]
             qk = qkv[:, :nh + nkv]
             rot = torch.cat((-qk[..., half:], qk[..., :half]), -1)
@@ -177,10 +174,10 @@ class LeanDecoder:
                 o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, is_causal=causal,
                                                    enable_gqa=nkv != nh)      # [n, nh, L, d]
             x = x + linear(o.transpose(1, 2).reshape(n, L, nh * d), p.w_o, p.b_o)
-            h = self._rms(x, p.ln_post)
+            h = rms_norm(x, p.ln_post, self.eps)
             g, u = linear(h, p.w_gu, p.b_gu).chunk(2, -1)
             x = x + linear(F.silu(g) * u, p.w_down, p.b_down)
         if last_only:
             x = x[:, -1]
-        logits = linear(self._rms(x, self.norm), self.w_head, self.b_head)
+        logits = linear(rms_norm(x, self.norm, self.eps), self.w_head, self.b_head)
         return logits.repeat_interleave(expand, 0) if expand > 1 else logits

@@ -32,7 +32,7 @@ def _batch(tok, L=5):
     prompts = [a, b, a, c, a, b]
     g = torch.Generator().manual_seed(0)
     comps = torch.randint(3, 12, (len(prompts), L), generator=g)
-    lens = torch.tensor([3, L, 1, L, 2, 4])[:len(prompts)].clamp(max=L)
+    lens = torch.tensor([3, L, 1, L, 2, 4]).clamp(max=L)
     mask = (torch.arange(L)[None] < lens[:, None]).long()
     return build_micro_batch(list(range(len(prompts))), prompts, comps, mask, tok.pad_token_id)
 
