@@ -76,7 +76,7 @@ class HFEngine:
         tokens, logps = tokens[:, :L], logps[:, :L]
         cmask = (torch.arange(L, device=tokens.device)[None, :] < lengths[:, None]).long()
         tokens = tokens.masked_fill(cmask == 0, self.pad_id).cpu()
-        logps = (logps * cmask).cpu()
+        logps = logps.masked_fill(cmask == 0, 0.0).cpu()         # not a product: 0 * inf would be NaN
         texts = self.tokenizer.batch_decode(tokens.tolist(), skip_special_tokens=True)
         return RolloutBatch(
             prompt_ids=[list(p) for p in prompt_ids for _ in range(G)],
@@ -111,7 +111,7 @@ class HFEngine:
         eos = torch.tensor(self.eos_ids, device=dev)
         out_tok = torch.full((N, T), self.pad_id, dtype=torch.long, device=dev)
         out_lp = torch.zeros((N, T), dtype=torch.float32, device=dev)
-        tok_buf, lp_buf = torch.empty_like(out_tok), torch.empty_like(out_lp)
+        tok_buf, lp_buf = out_tok.clone(), out_lp.clone()        # a row's unsampled columns stay pad / 0
         orig = torch.arange(N, device=dev)                       # row of the full batch, per live row
         done = torch.zeros(N, dtype=torch.bool, device=dev)
         n_resampled = torch.zeros((), dtype=torch.long, device=dev)

@@ -385,7 +385,7 @@ class Trainer:
         for chunk in plan_micro_batches([len(c) + len(t) for c, t in zip(contexts, targets)], self.cfg.optim.micro_batch_size):
             mb = build_micro_batch(chunk, contexts, ids, mask, self.tokenizer.pad_token_id)
             logp, _ = completion_logprobs(self.model, mb, chunk_tokens=self.cfg.optim.logprob_chunk)
-            loss = -self.cfg.algorithm.rewrite.weight * (logp * mb.mask.to(logp.device)).sum() / n_tok
+            loss = -self.cfg.algorithm.rewrite.weight * torch.where(mb.mask.to(logp.device).bool(), logp, 0.0).sum() / n_tok
             if torch.isfinite(loss):
                 loss.backward()
                 total += float(loss.detach())
@@ -424,7 +424,7 @@ class Trainer:
                                          max_len=self.cfg.rollout.max_new_tokens)
             total = total + beta * kl_loss
             out["loss/kl"] = float(kl_loss.detach())
-            out["kl/ref"] = float((kl_tok.detach() * mask).sum()) / max(ntok, 1)
+            out["kl/ref"] = float(torch.where(mask.bool(), kl_tok.detach(), 0.0).sum()) / max(ntok, 1)
         if not torch.isfinite(total.detach()):
             lp_min = float(valid.min()) if valid.numel() else None
             self._guard_seen = _NOTHING_SEEN
@@ -435,7 +435,7 @@ class Trainer:
                             min(lm, float(valid.min())) if valid.numel() else lm)
         total.backward()
         out["loss/total"] = float(total.detach())
-        out["policy/entropy"] = float((ent * mask).sum()) / max(ntok, 1)
+        out["policy/entropy"] = float(torch.where(mask.bool(), ent, 0.0).sum()) / max(ntok, 1)
         for k in ("clip_frac_low", "clip_frac_high", "approx_kl", "ratio_max"):
             if k in st:
                 out[f"policy/{'approx_kl_old' if k == 'approx_kl' else k}"] = float(st[k])

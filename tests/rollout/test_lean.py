@@ -54,7 +54,33 @@ def test_lean_sampling_with_rows_leaving_the_batch():
                            tok.pad_token_id)
     with torch.no_grad():
         lp, _ = completion_logprobs(model, mb, temperature=1.0)
-    torch.testing.assert_close(lp * mb.mask, batch.sampler_logprobs * batch.completion_mask, atol=2e-5, rtol=1e-4)
+    assert torch.isfinite(batch.sampler_logprobs).all()
+    assert (batch.sampler_logprobs[batch.completion_mask == 0] == 0).all()          # past a row's end: exactly 0
+    torch.testing.assert_close(lp * mb.mask, batch.sampler_logprobs, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_every_sample_leaves_zero_past_its_end(lean):
+    """Columns after a row's EOS are pad / 0 whatever the sampling: many seeds, rows ending at every step."""
+    model, tok = _model(eos_boost=3.0)
+    ids = [tok(p)["input_ids"] for p in PROMPTS]
+    engine = HFEngine(model, tok, lean=lean)
+    for seed in range(100):
+        batch = engine.generate(ids, SamplingParams(n=8, max_new_tokens=12, temperature=1.0),
+                                torch.Generator().manual_seed(seed))
+        past = batch.completion_mask == 0
+        assert torch.isfinite(batch.sampler_logprobs).all(), seed
+        assert (batch.sampler_logprobs[past] == 0).all() and (batch.completion_ids[past] == tok.pad_token_id).all()
+
+
+def test_batch_assembly_ignores_whatever_lies_past_a_rows_end():
+    model, tok = _model()
+    engine = HFEngine(model, tok)
+    tokens = torch.tensor([[5, tok.eos_token_id, 7, 7], [4, 4, 4, 4]])
+    logps = torch.tensor([[-1.0, -2.0, float("nan"), -float("inf")], [-1.0, -1.0, -1.0, -1.0]])
+    batch = engine._batch([[1]], 2, tokens, logps, torch.tensor([1, -1]), 0)
+    assert batch.sampler_logprobs.tolist() == [[-1.0, -2.0, 0.0, 0.0], [-1.0, -1.0, -1.0, -1.0]]
+    assert batch.completion_ids[0].tolist() == [5, tok.eos_token_id, tok.pad_token_id, tok.pad_token_id]
 
 
 @pytest.mark.parametrize("lean", [True, False])
