@@ -16,6 +16,9 @@ Conventions shared by every estimator (see docs/algorithms.md and FORMULAS.md §
 
 from __future__ import annotations
 
+import math
+import numbers
+
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -134,6 +137,11 @@ def _centred(r: Tensor, cells: Cells) -> Tensor:  # [N] r − cell mean, exactly
     return torch.where(cells.constant(r), torch.zeros_like(r), r - cells.mean(r))
 
 
+def _over(num: Tensor, den: Tensor) -> Tensor:
+    """num / den, and 0 where den is 0 (a batch std of 0 with eps = 0: every num is then 0 too)."""
+    return torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(num))
+
+
 # ----------------------------------------------------------------------------------------------
 # Estimators. Signature: (r [N] float64, cells, *, eps, lengths) -> [N]; invalid entries of r are
 # 0 and are zeroed again by ``compute``.
@@ -167,11 +175,12 @@ def rloo(r: Tensor, cells: Cells, *, eps: float, lengths: Tensor | None = None) 
 def sign(r: Tensor, cells: Cells, *, eps: float, lengths: Tensor | None = None) -> Tensor:
     """sign of the grpo advantage, in {−1, 0, +1}. No source proposes it (FORMULAS §9.1).
 
-    A reward that equals its cell mean up to float64 rounding (|r − mean| ≤ 1e-12·max|r|) gets 0,
-    so e.g. the middle of [0.1, 0.2, 0.3] is 0, not a rounding-noise ±1.
+    A reward that equals its cell mean up to float64 rounding (|r − mean| ≤ 1e-12·max(|r|, |mean|),
+    a tolerance of each completion's own magnitude, so one group's large rewards never blur another
+    group's small differences) gets 0: the middle of [0.1, 0.2, 0.3] is 0, not a rounding-noise ±1.
     """
     centred = _centred(r, cells)
-    scale = r.abs().max() if r.numel() else r.new_zeros(())
+    scale = torch.maximum(r.abs(), (r - centred).abs())       # [N] |r| and |cell mean|
     centred = torch.where(centred.abs() <= 1e-12 * scale, torch.zeros_like(centred), centred)
     return torch.sign(centred)
 
@@ -188,7 +197,7 @@ def reinforce_pp_baseline(
     since its batch mean is already 0 without buckets and this keeps all-equal groups at exactly 0.
     """
     centred = _centred(r, cells)
-    return centred / (_batch_std(centred, cells.valid) + eps)
+    return _over(centred, _batch_std(centred, cells.valid) + eps)
 
 
 @register_estimator("batch_std")
@@ -197,7 +206,7 @@ def batch_std(r: Tensor, cells: Cells, *, eps: float, lengths: Tensor | None = N
 
     Lite PPO (arXiv 2508.08221); TRL ``scale_rewards="batch"`` (which uses eps = 1e-4).
     """
-    return _centred(r, cells) / (_batch_std(r, cells.valid) + eps)
+    return _over(_centred(r, cells), _batch_std(r, cells.valid) + eps)
 
 
 @register_estimator("opo")
@@ -230,6 +239,8 @@ def _group_index(n: int, group_size, group_ids, device) -> tuple[Tensor, int]:
             raise ValueError(f"group_ids must be an integer tensor, got {ids.dtype}")
         uniq, index = torch.unique(ids, return_inverse=True)
         return index, int(uniq.numel())
+    if isinstance(group_size, numbers.Integral) and not isinstance(group_size, bool):
+        group_size = int(group_size)                        # numpy / torch integers too
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     if n % group_size:
@@ -330,8 +341,8 @@ def compute(
     r = torch.as_tensor(rewards)
     if r.dim() != 1:
         raise ValueError(f"rewards must be a flat [N] tensor, got shape {tuple(r.shape)}")
-    if not isinstance(eps, (int, float)) or eps < 0:
-        raise ValueError(f"eps must be a float >= 0, got {eps!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
     out_dtype = r.dtype if r.is_floating_point() else torch.get_default_dtype()
     n = r.numel()
     group_index, num_groups = _group_index(n, group_size, group_ids, r.device)

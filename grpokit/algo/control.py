@@ -50,8 +50,30 @@ def _check_kl(observed_kl: float) -> float:
 
 
 def _check_kind(state: dict, kind: str) -> None:
-    if state.get("kind") != kind:
-        raise ValueError(f"state_dict is for controller {state.get('kind')!r}, not {kind!r}")
+    if not isinstance(state, dict) or state.get("kind") != kind:
+        got = state.get("kind") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"state_dict is for controller {got!r}, not {kind!r}")
+
+
+def _finite(name: str, value, low: float = 0.0) -> float:
+    """A finite float >= low, or ValueError naming the argument."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+    if not (math.isfinite(v) and v >= low):
+        raise ValueError(f"{name} must be finite and >= {low}, got {value!r}")
+    return v
+
+
+def _state_value(state: dict, key: str, kind: str, low: float = 0.0, high: float = math.inf) -> float:
+    """state[key] checked (present, finite, in [low, high]) so a bad checkpoint fails loudly."""
+    if key not in state:
+        raise ValueError(f"{kind} controller state has no {key!r}: {state!r}")
+    v = _finite(f"{kind} controller state {key!r}", state[key], low)
+    if v > high:
+        raise ValueError(f"{kind} controller state {key!r} = {v} is above its bound {high}")
+    return v
 
 
 class FixedKL:
@@ -60,9 +82,7 @@ class FixedKL:
     kind = "fixed"
 
     def __init__(self, beta: float):
-        if not beta >= 0:
-            raise ValueError(f"beta must be >= 0, got {beta!r}")
-        self._beta = float(beta)
+        self._beta = _finite("beta", beta)
 
     @property
     def beta(self) -> float:
@@ -77,7 +97,7 @@ class FixedKL:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         _check_kind(state, self.kind)
-        self._beta = float(state["beta"])
+        self._beta = _state_value(state, "beta", self.kind)
 
 
 class AdaptiveKL:
@@ -99,11 +119,13 @@ class AdaptiveKL:
         beta_min: float = 1e-6,
         beta_max: float = 10.0,
     ):
-        if not (0 <= low <= high):
+        low, high, factor = _finite("low", low), _finite("high", high), _finite("factor", factor)
+        beta, beta_min, beta_max = _finite("beta", beta), _finite("beta_min", beta_min), _finite("beta_max", beta_max)
+        if not low <= high:
             raise ValueError(f"need 0 <= low <= high, got low={low}, high={high}")
         if not factor > 1:
             raise ValueError(f"factor must be > 1, got {factor!r}")
-        if not (0 <= beta_min <= beta <= beta_max):
+        if not (beta_min <= beta <= beta_max):
             raise ValueError(
                 f"need 0 <= beta_min <= beta <= beta_max, got {beta_min}, {beta}, {beta_max}"
             )
@@ -129,7 +151,7 @@ class AdaptiveKL:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         _check_kind(state, self.kind)
-        self._beta = float(state["beta"])
+        self._beta = _state_value(state, "beta", self.kind, self.beta_min, self.beta_max)
 
 
 class ZieglerKL:
@@ -153,7 +175,8 @@ class ZieglerKL:
         n_steps: int | None = None,
         k_beta: float | None = None,
     ):
-        if not beta >= 0 or not target > 0:
+        beta, target = _finite("beta", beta), _finite("target", target)
+        if not target > 0:
             raise ValueError(f"need beta >= 0 and target > 0, got beta={beta}, target={target}")
         if n_steps is not None and k_beta is not None:
             raise ValueError("give n_steps (with horizon) or k_beta, not both")
@@ -182,7 +205,7 @@ class ZieglerKL:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         _check_kind(state, self.kind)
-        self._beta = float(state["beta"])
+        self._beta = _state_value(state, "beta", self.kind)
 
 
 def _cosine_or_linear(progress: float, shape: str) -> float:
@@ -222,8 +245,11 @@ class _Scaled:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         _check_kind(state, self.kind)
-        self.t = int(state["t"])
-        self.inner.load_state_dict(state["inner"])
+        t = int(_state_value(state, "t", self.kind))
+        if "inner" not in state:
+            raise ValueError(f"{self.kind} controller state has no 'inner': {state!r}")
+        self.inner.load_state_dict(state["inner"])      # checks its own state before changing anything
+        self.t = t
 
 
 def _check_shape(shape: str, allowed: tuple[str, ...]) -> str:
@@ -248,6 +274,7 @@ class WarmupKL(_Scaled):
         shape: str = "cosine",
     ):
         super().__init__(inner, beta)
+        steps, start_scale = _finite("steps", steps, 1), _finite("start_scale", start_scale, 1)
         if not steps >= 1 or not start_scale >= 1:
             raise ValueError(f"need steps >= 1 and start_scale >= 1, got {steps}, {start_scale}")
         self.steps, self.start_scale = int(steps), float(start_scale)
@@ -275,6 +302,8 @@ class ScheduleKL(_Scaled):
         shape: str = "linear",
     ):
         super().__init__(inner, beta)
+        total_steps, start_frac = _finite("total_steps", total_steps, 1), _finite("start_frac", start_frac)
+        final_scale = _finite("final_scale", final_scale)
         if not (total_steps >= 1 and 0 <= start_frac <= 1 and final_scale >= 0):
             raise ValueError(
                 f"need total_steps >= 1, 0 <= start_frac <= 1, final_scale >= 0; got "

@@ -19,12 +19,15 @@ Numerics contract (all kinds):
 - NaN anywhere in the inputs, or +inf (a log-probability cannot be +inf), raises ValueError.
 - −inf log-probs are floored to the dtype's lowest finite value; the log-ratio logp − ref_logp
   (and, for k3_is, logp − old_logp) is clamped to [−clamp, clamp] before anything else, so every
-  value is finite (k1 ∈ [−clamp, clamp], k2 ≤ clamp²/2, k3 ≤ e^clamp) and the gradient is 0 where
-  the clamp is active. verl clamps only k3 (log u to ±20, then the value to ±10); we clamp all
+  value is finite (k1 ∈ [−clamp, clamp], k2 ≤ clamp²/2, k3 ≤ e^clamp, k3_is ≤ e^(2·clamp)) and the
+  gradient is 0 where the clamp is active. In a dtype too narrow for e^(2·clamp) (float16) the clamp
+  is lowered to ½·log(max) − ½ so the values stay finite there too. verl clamps only k3 (log u to ±20, then the value to ±10); we clamp all
   kinds the same way and do not clamp the value.
 """
 
 from __future__ import annotations
+
+import math
 
 from typing import Callable
 
@@ -132,6 +135,9 @@ def estimate(
                 f"old_logp {tuple(old_logp.shape)} and logp {tuple(logp.shape)} differ"
             )
         old_logp = check_logp(old_logp.detach(), "old_logp")
+    # k3_is can reach e^(2·clamp): keep that finite in narrow dtypes (float16: clamp 5.0; no-op for
+    # float32/64 and bfloat16, whose range holds e^40)
+    clamp = min(clamp, 0.5 * math.log(torch.finfo(logp.dtype).max) - 0.5)
     return fn(logp, ref_logp, clamp=clamp, old_logp=old_logp)
 
 

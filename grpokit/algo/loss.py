@@ -29,6 +29,8 @@ counts and multiply the loss by R (verl's ``* dp_size``), or sum-reduce the grad
 
 from __future__ import annotations
 
+import math
+
 from typing import Callable
 
 import torch
@@ -65,9 +67,11 @@ def _count(value, default: Tensor, name: str):
     if value is None:
         return default.clamp(min=1)
     if isinstance(value, Tensor):
+        if value.numel() != 1 or not bool(torch.isfinite(value).all() and (value >= 0).all()):
+            raise ValueError(f"{name} must be one finite number >= 0, got {value!r}")
         return value.to(default.dtype).clamp(min=1)
-    if not value >= 0:
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     return max(float(value), 1.0)
 
 
@@ -124,6 +128,8 @@ def aggregate(
             f"{tuple(per_token_loss.shape)} and {tuple(mask.shape)}"
         )
     m = mask.bool()
+    if not torch.isfinite(per_token_loss.detach()[m]).all():
+        raise ValueError("per_token_loss holds NaN or inf at valid (mask = 1) positions")
     masked = torch.where(m, per_token_loss, 0.0)  # [B, T]
     return fn(masked, m, num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len)
 
@@ -220,14 +226,14 @@ def policy_loss(
             "clip_frac_low": frac((adv < 0) & (r < 1.0 - eps_low)),
             "clip_frac_high": frac((adv > 0) & (r > 1.0 + eps_high)),
             "approx_kl": (torch.where(m, torch.expm1(log_ratio) - log_ratio, zero)).sum() / n,
-            "ratio_min": torch.where(m, r, torch.full_like(r, float("inf"))).min(),
+            "ratio_min": torch.where(m, r, torch.full_like(r, float("inf"))).amin() if m.any() else zero + 1,
             "ratio_mean": torch.where(m, r, zero).sum() / n,
-            "ratio_max": torch.where(m, r, torch.full_like(r, float("-inf"))).max(),
+            "ratio_max": torch.where(m, r, torch.full_like(r, float("-inf"))).amax() if m.any() else zero + 1,
         }
         if dual_clip is not None:
             clipped = torch.maximum(-adv * r, -adv * r.clamp(1.0 - eps_low, 1.0 + eps_high))
             values["dual_clip_frac"] = frac((adv < 0) & (-adv * dual_clip < clipped))
         stats = dict(zip(values, torch.stack(list(values.values())).tolist()))
         if not m.any():
-            stats.update(ratio_min=1.0, ratio_mean=1.0, ratio_max=1.0)
+            stats.update(ratio_mean=1.0)
     return loss, stats

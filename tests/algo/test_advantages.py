@@ -371,3 +371,37 @@ def test_buckets_equal_plain_when_one_bucket_or_all_fallback(rg, edges):
         )
         torch.testing.assert_close(bucketed, plain)
         assert stats["num_bucket_fallback"] == r.numel()
+
+
+@settings(max_examples=60, deadline=None)
+@given(grouped_rewards(), st.sampled_from(sorted(ESTIMATORS)))
+def test_every_estimator_is_finite_with_eps_zero(rg, name):
+    """eps = 0 is allowed: a batch whose std is 0 (all groups constant) gives 0, not 0/0."""
+    r, g = rg
+    adv = compute(name, r, g, eps=0.0, lengths=torch.arange(1, r.numel() + 1))
+    assert torch.isfinite(adv).all()
+    groups = r.view(-1, g)
+    const = (groups == groups[:, :1]).all(-1)
+    assert torch.equal(adv.view(-1, g)[const], torch.zeros_like(groups[const]))
+
+
+@pytest.mark.parametrize("name", ["reinforce_pp_baseline", "batch_std"])
+def test_batch_level_estimators_all_constant_batch_eps_zero(name):
+    assert compute(name, T([1.0, 1.0, 2.0, 2.0], dtype=F64), 2, eps=0.0).tolist() == [0.0] * 4
+    assert compute(name, T([1.0, float("nan")], dtype=F64), 2, eps=0.0).tolist() == [0.0, 0.0]
+
+
+def test_sign_tolerance_is_per_completion_not_per_batch():
+    # a group with large rewards must not blur another group's small (but real) differences
+    r = T([1e8, 0.0, 1.0, 1.0000001], dtype=F64)
+    assert compute("sign", r, 2).tolist() == [1.0, -1.0, -1.0, 1.0]
+    assert torch.equal(compute("sign", r, 2), torch.sign(compute("grpo", r, 2)))
+
+
+def test_eps_must_be_finite_and_numpy_group_sizes_work():
+    import numpy as np
+    r = T([0.0, 1.0, 1.0, 1.0], dtype=F64)
+    for bad in (float("nan"), float("inf"), -1.0, True):
+        with pytest.raises(ValueError, match="eps"):
+            compute("grpo", r, 2, eps=bad)
+    assert torch.equal(compute("grpo", r, np.int64(2)), compute("grpo", r, 2))

@@ -181,3 +181,112 @@ def test_trainer_builds_the_adaptive_controller_from_config():
     assert c.step(0.3) == pytest.approx(0.04)
     c = build_kl_controller(load_config(["grpo"], ["algorithm.kl.controller_args={factor: 1.5}"]))
     assert c.step(0.5) == pytest.approx(0.03)
+
+
+# ---------------------------------------------------------------------------------------------
+# Properties over random KL sequences (hypothesis)
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_kls = st.lists(st.floats(min_value=0.0, max_value=1e6, allow_nan=False), min_size=1, max_size=60)
+
+
+@settings(max_examples=60, deadline=None)
+@given(kls=_kls, beta=st.floats(1e-4, 5.0), factor=st.floats(1.01, 3.0))
+def test_adaptive_beta_stays_in_its_bounds_and_moves_by_the_band_rule(kls, beta, factor):
+    c = AdaptiveKL(beta, 0.01, 0.1, factor=factor, beta_min=1e-4, beta_max=5.0)
+    for kl in kls:
+        before = c.beta
+        after = c.step(kl)
+        assert 1e-4 <= after <= 5.0
+        if kl > 0.1:
+            assert after >= before and after <= before * factor * (1 + 1e-12)
+        elif kl < 0.01:
+            assert after <= before and after >= before / factor * (1 - 1e-12)
+        else:
+            assert after == before
+
+
+@settings(max_examples=60, deadline=None)
+@given(kls=_kls, beta=st.floats(1e-4, 5.0), k=st.floats(0.0, 4.9), target=st.floats(1e-3, 10.0))
+def test_ziegler_step_is_bounded_by_its_clipped_error(kls, beta, k, target):
+    c = ZieglerKL(beta, target, k_beta=k)
+    for kl in kls:
+        before = c.beta
+        after = c.step(kl)
+        ratio = after / before
+        assert 1 - 0.2 * k - 1e-12 <= ratio <= 1 + 0.2 * k + 1e-12
+        assert (ratio >= 1) == (kl >= target) or math.isclose(ratio, 1.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(kls=_kls, steps=st.integers(1, 30), start=st.floats(1.0, 50.0), shape=st.sampled_from(["linear", "cosine"]))
+def test_warmup_scale_decays_from_start_to_one(kls, steps, start, shape):
+    c = WarmupKL(beta=0.02, steps=steps, start_scale=start, shape=shape)
+    prev = c.beta
+    assert math.isclose(prev, 0.02 * start)
+    for kl in kls:
+        b = c.step(kl)
+        assert 0.02 * (1 - 1e-12) <= b <= prev * (1 + 1e-12)      # never rises, never below the base
+        prev = b
+    if len(kls) >= steps:
+        assert math.isclose(c.beta, 0.02)
+
+
+@settings(max_examples=60, deadline=None)
+@given(kls=_kls, total=st.integers(1, 40), start_frac=st.floats(0.0, 1.0), final=st.floats(0.0, 1.0),
+       shape=st.sampled_from(["linear", "cosine", "step"]))
+def test_schedule_scale_stays_between_final_and_one(kls, total, start_frac, final, shape):
+    c = ScheduleKL(beta=0.05, total_steps=total, start_frac=start_frac, final_scale=final, shape=shape)
+    prev = c.beta
+    for kl in kls:
+        b = c.step(kl)
+        assert 0.05 * final * (1 - 1e-12) <= b <= 0.05 * (1 + 1e-12) and b <= prev * (1 + 1e-12)
+        prev = b
+    if len(kls) >= total:
+        assert math.isclose(c.beta, 0.05 * final, abs_tol=1e-15)
+
+
+@settings(max_examples=40, deadline=None)
+@given(kls=_kls, split=st.integers(0, 60),
+       kind=st.sampled_from(["fixed", "adaptive", "ziegler", "warmup", "schedule"]))
+def test_a_restored_controller_continues_exactly_like_the_original(kls, split, kind):
+    import json
+    kwargs = {"fixed": dict(beta=0.04), "adaptive": dict(beta=0.04, low=0.01, high=0.1),
+              "ziegler": dict(beta=0.04, target=0.05), "warmup": dict(beta=0.04, steps=7),
+              "schedule": dict(beta=0.04, total_steps=20)}[kind]
+    a, b = build_controller(kind, **kwargs), build_controller(kind, **kwargs)
+    split = min(split, len(kls))
+    for kl in kls[:split]:
+        a.step(kl)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    for kl in kls[split:]:
+        assert a.step(kl) == b.step(kl)
+
+
+@pytest.mark.parametrize("kind,kwargs,state,match", [
+    ("fixed", dict(beta=0.1), {"kind": "fixed", "beta": float("nan")}, "finite"),
+    ("fixed", dict(beta=0.1), {"kind": "fixed"}, "no 'beta'"),
+    ("adaptive", dict(beta=0.1, low=0.01, high=0.1, beta_max=10.0), {"kind": "adaptive", "beta": 100.0}, "above its bound"),
+    ("ziegler", dict(beta=0.1, target=1.0), {"kind": "ziegler", "beta": -1.0}, "finite and >= 0"),
+    ("warmup", dict(beta=0.1, steps=5), {"kind": "warmup", "t": 2}, "no 'inner'"),
+    ("schedule", dict(beta=0.1, total_steps=5), ["not", "a", "dict"], "not 'schedule'"),
+])
+def test_a_bad_state_is_refused_not_loaded(kind, kwargs, state, match):
+    c = build_controller(kind, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        c.load_state_dict(state)
+    assert c.beta == pytest.approx(build_controller(kind, **kwargs).beta)
+
+
+@pytest.mark.parametrize("kind,kwargs", [
+    ("fixed", dict(beta=float("inf"))),
+    ("adaptive", dict(beta=0.1, low=0.01, high=0.1, beta_max=float("inf"))),
+    ("ziegler", dict(beta=float("nan"), target=1.0)),
+    ("schedule", dict(beta=0.1, total_steps=5, final_scale=float("inf"))),
+    ("warmup", dict(beta=0.1, steps=5, start_scale=float("inf"))),
+])
+def test_non_finite_arguments_are_refused(kind, kwargs):
+    with pytest.raises(ValueError, match="finite"):
+        build_controller(kind, **kwargs)

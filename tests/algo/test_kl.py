@@ -178,3 +178,20 @@ def test_kl_in_reward_golden_and_detached():
 def test_import_does_not_pull_transformers():
     code = "import sys, grpokit.algo; assert 'transformers' not in sys.modules, 'imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(logps, logps), min_size=1, max_size=8))
+def test_k1_is_the_log_ratio_and_antisymmetric(pairs):
+    logp = T([a for a, _ in pairs], dtype=F64)
+    ref = T([b for _, b in pairs], dtype=F64)
+    torch.testing.assert_close(estimate(logp, ref, "k1"), (logp - ref).clamp(-20, 20), atol=0, rtol=0)
+    torch.testing.assert_close(estimate(ref, logp, "k1"), -estimate(logp, ref, "k1"), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_float16_values_stay_finite(kind):
+    logp = T([[-30.0, 0.0, -1.0]], dtype=torch.float16)
+    ref = T([[0.0, -30.0, -1.5]], dtype=torch.float16)
+    v = estimate(logp, ref, kind, old_logp=logp - 10)
+    assert v.dtype == torch.float16 and torch.isfinite(v).all()

@@ -330,3 +330,25 @@ def test_bad_shapes():
         policy_loss(x, x, T([1.0, 1.0, 1.0]), x)
     with pytest.raises(ValueError, match=r"\[B, T\]"):
         aggregate(torch.zeros(3), torch.zeros(3), "token_mean")
+
+
+def test_an_empty_batch_gives_zero_loss_and_neutral_stats():
+    z = torch.zeros((0, 5), dtype=torch.float64, requires_grad=True)
+    loss, st = policy_loss(z, z.detach(), torch.zeros(0, dtype=torch.float64), torch.zeros((0, 5), dtype=torch.bool))
+    assert loss.item() == 0.0 and st["ratio_min"] == st["ratio_max"] == st["ratio_mean"] == 1.0
+    loss.backward()
+
+
+@pytest.mark.parametrize("count", [torch.tensor(float("nan")), torch.tensor(-3.0), torch.tensor([1.0, 2.0]),
+                                   float("nan"), float("inf"), -1])
+def test_bad_token_counts_are_refused_as_numbers_and_as_tensors(count):
+    lp = torch.zeros((2, 3), dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ValueError, match="num_tokens"):
+        policy_loss(lp, lp.detach(), torch.ones(2, dtype=torch.float64), torch.ones((2, 3)), num_tokens=count)
+
+
+def test_aggregate_refuses_non_finite_values_at_valid_positions():
+    x = torch.tensor([[1.0, float("nan")], [float("inf"), 2.0]])
+    assert aggregate(x, torch.tensor([[1, 0], [0, 1]])).item() == 1.5          # garbage at masked positions is fine
+    with pytest.raises(ValueError, match="NaN or inf"):
+        aggregate(x, torch.ones((2, 2)))
