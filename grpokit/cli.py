@@ -39,23 +39,27 @@ def cmd_train(args) -> int:
     trainer = build_trainer(cfg)
     if args.resume and not (Path(cfg.train.run_dir) / "checkpoints").is_dir():
         print(f"note: --resume: no checkpoint in {cfg.train.run_dir}; starting fresh", file=sys.stderr)
-    if cfg.train.progress:
-        from grpokit.cli_progress import StepProgress
-        with StepProgress(cfg.train.steps) as bar:
-            trainer.train(resume=args.resume, progress=bar.update)
-    else:
-        trainer.train(resume=args.resume)
-    _write_report(cfg.train.run_dir)
+    try:
+        if cfg.train.progress:
+            from grpokit.cli_progress import StepProgress
+            with StepProgress(cfg.train.steps) as bar:
+                trainer.train(resume=args.resume, progress=bar.update)
+        else:
+            trainer.train(resume=args.resume)
+    finally:              # a run that stops with an error (divergence, reference drift) gets one too
+        _write_report(cfg.train.run_dir)
     print(f"done: {trainer.step_idx} steps; run directory {cfg.train.run_dir}")
     return 0
 
 
 def _write_report(run_dir) -> None:
+    """Write RUN_DIR/report.html. A failure is logged, never raised: it must neither lose a finished
+    run nor hide the error that stopped one."""
     try:
         from grpokit.monitor.report import write_report
         path = write_report(run_dir)
         print(f"report: {path}")
-    except Exception as exc:  # noqa: BLE001 - a report failure must not lose a finished run
+    except Exception as exc:  # noqa: BLE001
         logging.getLogger("grpokit").warning("could not write the report: %s", exc)
 
 
@@ -84,9 +88,13 @@ def cmd_eval(args) -> int:
 def cmd_demo(args) -> int:
     from grpokit.demo import run_demo
 
-    run_demo(quick=args.quick, control=args.control, seed=args.seed, run_dir=args.run_dir,
-             overrides=args.overrides, progress=not args.no_progress)
-    _write_report(Path(args.run_dir) / "grpo")
+    grpo_dir = Path(args.run_dir) / "grpo"
+    try:
+        run_demo(quick=args.quick, control=args.control, seed=args.seed, run_dir=args.run_dir,
+                 overrides=args.overrides, progress=not args.no_progress)
+    finally:
+        if grpo_dir.is_dir():    # absent when the demo failed before training
+            _write_report(grpo_dir)
     return 0
 
 

@@ -47,7 +47,7 @@ def run_one(preset: str, seed: int, s: DemoSettings, root: Path, steps: int, eva
     t0 = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t0
-    rows = read_metrics(run_dir)
+    rows = [r for r in read_metrics(run_dir) if "completion/length_mean" in r]   # training rows (not eval-only)
     kl = [r["kl/ref"] for r in rows if "kl/ref" in r]
     return {
         "preset": label(preset), "seed": seed, "wall_seconds": wall,

@@ -209,8 +209,11 @@ class RewardSpecConfig(_Section):
     """Weight in the summed reward."""
     args: dict[str, Any] = {}
     """Keyword arguments bound to the reward function."""
-    timeout_s: float | None = None
-    """Time budget for one call; over it the batch scores None and an error is counted."""
+    timeout_s: float | None = Field(300.0, gt=0)
+    """Time budget in seconds for one call (all samples of the batch); over it the batch scores None
+    and an error is counted, and training goes on. `null`: no budget (a hanging reward then stalls
+    training; only for a reward that must run in the main thread, e.g. one that sets signal
+    handlers). Same default as `grpokit.rewards.compose.DEFAULT_TIMEOUT_S`."""
 
 
 class CrossCheckConfig(_Section):
@@ -222,6 +225,11 @@ class CrossCheckConfig(_Section):
     """Share of completions checked each step."""
     checker_args: dict[str, Any] | None = None
     """Arguments for the checker (default: the primary's arguments it accepts)."""
+    tol: float = Field(1e-6, ge=0)
+    """Checker and primary scores further apart than this disagree."""
+    timeout_s: float | None = Field(300.0, gt=0)
+    """Time budget in seconds for one checker call (over it the checked samples count in
+    `reward/checker/errors`); `null`: no budget."""
 
 
 class OptimConfig(_Section):
@@ -255,7 +263,8 @@ class TrainConfig(_Section):
     keep_last: int = Field(2, ge=1)
     """Checkpoints kept (older ones are deleted)."""
     eval_every: int = Field(0, ge=0)
-    """Held-out evaluation every N steps (0 = only before and after)."""
+    """Held-out evaluation (when `data.eval_path` is set) every N steps and after the last step;
+    0 = only before the first step (logged as step 0) and after the last."""
     eval_samples: int = Field(0, ge=0)
     """Sampled completions per eval prompt for `eval/mean@k` (0 = greedy only)."""
     sample_every: int = Field(10, ge=0)

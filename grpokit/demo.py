@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -99,6 +100,9 @@ def run_demo(*, quick: bool = False, control: bool = False, seed: int = 0, run_d
     s = DemoSettings.quick(seed) if quick else DemoSettings(seed=seed)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    # run_dir/grpo is this demo's regenerated output: cleared, so re-running the demo does not pile up
+    # earlier runs in it (a trainer keeps an earlier run's output under previous/ otherwise)
+    shutil.rmtree(run_dir / "grpo", ignore_errors=True)
     task = ArithmeticTask(seed=seed, carry_frac=s.carry_frac, teacher_correct=s.teacher_correct, heldout=s.heldout)
     held = task.heldout_rows()
     warm_dir = warm_start(s, task, run_dir, say)

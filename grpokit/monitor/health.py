@@ -706,7 +706,8 @@ class HealthMonitor:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a checkpoint's state. alarms.jsonl then loses its rows after the checkpoint's
-        last step, as the trainer truncates metrics.jsonl, so a resumed run logs them once."""
+        last step (all of them for a step-0 checkpoint, whose history is empty), as the trainer
+        truncates metrics.jsonl, so a resumed run logs them once."""
         self._history = [dict(e) for e in state.get("history", [])]
         self._tallies = {
             name: AlarmTally(
@@ -718,8 +719,7 @@ class HealthMonitor:
         self._printed = set(state.get("printed", []))
         self._stop = bool(state.get("stop", False))
         self._n_steps = int(state.get("n_steps", len(self._history)))
-        if self._history:
-            self._truncate_log_after(self._history[-1]["step"])
+        self._truncate_log_after(self._history[-1]["step"] if self._history else 0)
 
     def _truncate_log_after(self, step: int) -> None:
         path = self.run_dir / ALARMS_FILE if self.run_dir is not None else None

@@ -1,8 +1,9 @@
 """A self-contained HTML report of one run directory.
 
 ``write_report(run_dir)`` reads what the trainer and the health monitor wrote (``metrics.jsonl``,
-``alarms.jsonl``, ``config.yaml``, ``samples/step_*.jsonl``) and writes ``RUN_DIR/report.html``:
-the health summary, every logged signal plotted against the step (one small-multiples figure per
+``alarms.jsonl``, ``guard.jsonl``, ``config.yaml``, ``samples/step_*.jsonl``) and writes
+``RUN_DIR/report.html``: the health summary, the updates the non-finite guard skipped and the
+rollbacks with their causes, every logged signal plotted against the step (one small-multiples figure per
 metric namespace, alarm steps marked on the plots of the metrics each rule reads), samples from
 early, middle and late training with their reward breakdown, and the config. Plots are PNGs made
 with matplotlib's Agg canvas and embedded as base64; the page loads nothing and runs no script.
@@ -40,6 +41,8 @@ REPORT_FILE = "report.html"
 SAMPLES_PER_PHASE = 4
 MAX_TEXT = 1500  # characters of a prompt or completion shown before truncation
 MAX_LINE_NOTES = 5  # bad lines listed one by one per file; the rest are counted
+MAX_GUARD_ROWS = 50  # guard events listed; the rest are counted
+GUARD_FILE = "guard.jsonl"
 # Namespaces shown first, in the order of the step's data flow; others follow alphabetically.
 NAMESPACE_ORDER = (
     "reward", "eval", "kl", "loss", "advantage", "group", "completion", "policy", "optim",
@@ -54,6 +57,7 @@ class RunData:
 
     metrics: list[dict[str, Any]]  # one row per step, sorted by step
     alarms: list[Alarm]
+    guard_events: list[dict[str, Any]]  # guard.jsonl: skipped updates and rollbacks, by step
     samples: list[tuple[str, int, list[dict[str, Any]]]]  # (phase, step, rows): early/middle/late
     n_sample_files: int
     config_text: str | None
@@ -106,6 +110,8 @@ def load_run(run_dir: str | os.PathLike[str]) -> RunData:
         notes.append(f"Run directory {run_dir} does not exist.")
     metrics = _load_metrics(run_dir / "metrics.jsonl", notes)
     alarms = _load_alarms(run_dir / ALARMS_FILE, notes)
+    guard_path = run_dir / GUARD_FILE
+    guard_events = read_jsonl(guard_path, notes) if guard_path.is_file() else []
     samples_dir = run_dir / "samples"
     paths = sorted(samples_dir.glob("*.jsonl"), key=_file_step) if samples_dir.is_dir() else []
     samples = []
@@ -116,7 +122,7 @@ def load_run(run_dir: str | os.PathLike[str]) -> RunData:
             step = _as_step(rows[0].get("step")) if rows else None
         samples.append((phase, -1 if step is None else int(step), rows))
     config_text = _load_config(run_dir / "config.yaml", notes)
-    return RunData(metrics, alarms, samples, len(paths), config_text, notes)
+    return RunData(metrics, alarms, guard_events, samples, len(paths), config_text, notes)
 
 
 def _load_metrics(path: Path, notes: list[str]) -> list[dict[str, Any]]:
@@ -378,6 +384,29 @@ def _health_html(alarms: Sequence[Alarm], n_steps: int) -> str:
     return f'<div class="health {"bad" if items else "ok"}">{body}</div>'
 
 
+def _guard_html(events: Sequence[Mapping[str, Any]]) -> str:
+    """The non-finite guard's events: one table row per skipped update or rollback, with its cause."""
+    if not events:
+        return "<p>The non-finite guard skipped no update.</p>"
+    skips = sum(e.get("event") == "skip" for e in events)
+    rollbacks = sum(e.get("event") == "rollback" for e in events)
+    rows = []
+    for e in events[:MAX_GUARD_ROWS]:
+        kind = e.get("event")
+        if kind == "rollback":
+            what = f"rolled back to {e.get('to', '?')}, learning rate x{_fmt(e.get('lr_factor'))}"
+        elif "updates" in e and e.get("updates_skipped") != e.get("updates"):
+            what = f"{_fmt(e.get('updates_skipped'))} of {_fmt(e.get('updates'))} mini-batch updates skipped"
+        else:
+            what = "update skipped"
+        rows.append(f"<tr><td>{_e(_fmt(e.get('step')))}</td><td{' class=stop' if kind == 'rollback' else ''}>"
+                    f"{_e(what)}</td><td>{_e(e.get('cause', ''))}</td></tr>")
+    more = (f"<p class=muted>{len(events) - MAX_GUARD_ROWS} more event(s) in {GUARD_FILE}.</p>"
+            if len(events) > MAX_GUARD_ROWS else "")
+    return (f"<p>{skips} step(s) with skipped updates, {rollbacks} rollback(s) ({GUARD_FILE}):</p>"
+            f"<table class=guard><tr><th>step</th><th>what</th><th>cause</th></tr>{''.join(rows)}</table>{more}")
+
+
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;color:#222;max-width:1400px}
 h1{font-size:1.5em}h2{border-bottom:1px solid #ccc;padding-bottom:4px;margin-top:32px}h3{margin-bottom:4px}
@@ -405,6 +434,7 @@ def render_html(run_dir: Path, data: RunData) -> str:
     parts.append("<p>" + " · ".join(facts) + "</p>")
 
     parts.append("<h2>Health</h2>" + _health_html(data.alarms, len(metrics)))
+    parts.append("<h3>Non-finite guard</h3>" + _guard_html(data.guard_events))
     if data.notes:
         items = "".join(f"<li>{_e(n)}</li>" for n in data.notes)
         parts.append(f"<h2>Notes</h2><ul class=notes>{items}</ul>")

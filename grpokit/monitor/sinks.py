@@ -4,23 +4,36 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import time
 from pathlib import Path
 
 
 class MetricSink:
+    """Appends one JSON row per step to RUN_DIR/metrics.jsonl (and scalars to RUN_DIR/tb when
+    TensorBoard is installed). Nothing is written to disk before the first `write`, so a run
+    directory holds no output of a run that has not logged a step yet."""
+
     def __init__(self, run_dir: Path, *, tensorboard: bool = True):
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.tb = None
-        if tensorboard:
+        self.tensorboard = tensorboard
+        self.tb = None                 # the SummaryWriter, opened at the first write
+
+    def _tb_writer(self):
+        if self.tb is None and self.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(str(Path(run_dir) / "tb"))
+                self.tb = SummaryWriter(str(self.run_dir / "tb"))
             except Exception:  # noqa: BLE001 - tensorboard is optional
-                self.tb = None
+                self.tensorboard = False
+        return self.tb
 
     def truncate_after(self, step: int) -> None:
-        """On resume: drop rows written after the checkpoint's step (they will be redone)."""
+        """On resume: drop rows written after the checkpoint's step (they will be redone). The file
+        is rewritten to a temporary file and renamed over the old one, so a process killed meanwhile
+        leaves the old file or the new one, never a half-written one."""
         if not self.path.is_file():
             return
         keep = []
@@ -28,22 +41,28 @@ class MetricSink:
             try:
                 if json.loads(line).get("step", 0) <= step:
                     keep.append(line)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, AttributeError, TypeError):
                 continue
-        self.path.write_text("".join(k + "\n" for k in keep))
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(k + "\n" for k in keep))
+        os.replace(tmp, self.path)
 
     def write(self, step: int, metrics: dict) -> None:
-        row = {"step": step, **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}}
+        """Append `{"step": step, "time": unix seconds, **metrics}`."""
+        row = {"step": step, "time": time.time(),
+               **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        if self.tb is not None:
+        tb = self._tb_writer()
+        if tb is not None:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
-                    self.tb.add_scalar(k, v, step)
+                    tb.add_scalar(k, v, step)
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+            self.tb = None
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -33,7 +33,12 @@ _BARE_BOX_ARG = re.compile(r"[^\s$\\{}]+")
 def boxed_contents(text: str) -> list[str]:
     """Contents of every `\\boxed{...}` / `\\fbox{...}` in order (nested braces and escaped
     braces handled; unclosed boxes, e.g. from a truncated completion, are dropped). One pass."""
-    out: list[str] = []
+    return [content for content, _ in _boxes(text)]
+
+
+def _boxes(text: str) -> list[tuple[str, int]]:
+    """`boxed_contents`, each with the index just past its box."""
+    out: list[tuple[str, int]] = []
     stack: list[int] = []  # per open brace: start of a boxed group, or -1
     pending = False  # just saw \boxed, waiting for its argument
     i, n = 0, len(text)
@@ -52,11 +57,11 @@ def boxed_contents(text: str) -> list[str]:
             if stack:
                 start = stack.pop()
                 if start >= 0:
-                    out.append(text[start:i])
+                    out.append((text[start:i], i + 1))
         elif pending and not c.isspace():
             m = _BARE_BOX_ARG.match(text, i)  # "\boxed 5"
             if m:
-                out.append(m.group(0))
+                out.append((m.group(0), m.end()))
                 i = m.end()
             pending = False
             continue
@@ -71,7 +76,13 @@ _NUMBER = re.compile(
     r"\\[dt]?frac\{-?\d+\}\{\d+\}|-?\d+(?:,\d{3})+(?:\.\d+)?|-?\d*\.\d+|-?\d+(?:/\d+)?"
 )
 _DISJUNCTION = re.compile(r"\bor\b|\beither\b|\\lor\b|\\vee\b|\band/or\b", re.I)
-_NUM_DISJ = re.compile(r"\d\$?\s*,?\s*(?:or|and/or)\s+\$?-?\d", re.I)
+# "3 or 4", "3, or 4", "$3$ (or $4$)", "3 or possibly 4"
+_NUM_DISJ = re.compile(r"\d\$?\s*[,(]?\s*(?:or|and/or)\s+(?:[A-Za-z]+\s+){0,2}\$?-?\d", re.I)
+# what may stand between two values of a candidate list: "3, 4", "$3$ and $4$", "3; 4", "$3$ or $4$"
+_LIST_GAP = re.compile(r"\s*\$?\s*(?:,|;|&|\band\b|\bor\b|\band/or\b)\s*\$?\s*", re.I)
+_SENTENCE_END = re.compile(r"\.(?:\s|$)")
+_OR_NEXT = re.compile(r"\s*or\b", re.I)  # "The answer is 3. Or 4." (not "... 3. Either way, ...")
+_VALUE_START = re.compile(r"[-+.(\[$\\\d]|[A-Za-z]\s*=")  # "3", "$x$", "\\frac", "x = 3"; not prose
 
 
 def _final_line(text: str) -> str:
@@ -87,8 +98,9 @@ def _final_line(text: str) -> str:
 
 @dataclass(frozen=True)
 class Extraction:
-    """What a completion answers. `answers` holds every boxed answer (hedging check) or one
-    answer from the other sources; `hedged` marks a candidate list in the final statement."""
+    """What a completion answers. `answers` holds every boxed answer (hedging check; plus the
+    value a statement after the last box gives) or one answer from the other sources; `hedged`
+    marks a candidate list in the final statement."""
 
     answers: tuple[str, ...]
     source: str  # "boxed" | "marker" | "last_number" | "none"
@@ -105,29 +117,81 @@ def _clean(ans: str) -> str:
     return ans.strip().strip("$").strip()
 
 
-def extract_answer(text: str) -> Extraction:
-    """The issue's order: the boxed answers, else an explicit "answer is ..." / "Answer: ..." /
-    "#### ...", else the last number of the final non-empty line."""
-    text = normalize_unicode(text)
-    boxed = [b.strip() for b in boxed_contents(text)]
-    boxed = [b for b in boxed if b]
-    if boxed:
-        return Extraction(tuple(boxed), "boxed")
+@dataclass(frozen=True)
+class _Statement:
+    """An explicit answer statement ("The answer is ...", "Answer: ...", "#### ...")."""
+
+    start: int  # where its marker starts in the text
+    answer: str  # what it answers (several candidates joined by ", " when it hedges)
+    hedged: bool  # it lists candidates: "$3$ or $4$", "either 3 or 4", "$3$, $4$"
+    value_like: bool  # it starts with a value, not with prose ("... answer is correct because")
+
+
+def _listed(text: str, values: list[re.Match]) -> bool:
+    """Do two consecutive values stand next to each other with only a list separator between?"""
+    return any(_LIST_GAP.fullmatch(text[a.end() : b.start()]) for a, b in zip(values, values[1:]))
+
+
+def _read_statement(text: str, marker: re.Match) -> _Statement | None:
+    """The statement that `marker` starts: its sentence, up to the first full stop outside math
+    (or the end of the line). The hedge is looked for in that raw sentence, not in the cleaned
+    answer, which keeps only the first math span ("$3$ or $4$" cleans to "3")."""
+    eol = text.find("\n", marker.end())
+    rest = text[marker.end() : eol if eol >= 0 else len(text)]
+    rest = rest[_MARKER_LEAD.match(rest).end() :][:TAIL_CHARS]  # bounded: the span regex is not linear
+    spans = list(_MATH_SPAN.finditer(rest))
+    masked = _MATH_SPAN.sub(lambda m: "\0" * len(m.group(0)), rest)  # same offsets, no math inside
+    stop = _SENTENCE_END.search(masked)
+    end = stop.start() if stop else len(rest)
+    sentence, after = rest[:end], rest[end + 1 :]
+    ans = _clean(sentence)
+    if not ans:
+        return None
+    spans = [m for m in spans if m.end() <= end]
+    numbers = list(_NUMBER.finditer(masked[:end]))  # numbers outside the math spans
+    hedged = bool(
+        (_DISJUNCTION.search(sentence) and len(spans) + len(numbers) >= 2)  # "$3$ or $4$", "either 3 or 4"
+        or _listed(sentence, spans)  # "$3$, $4$", "$3$ and $4$"
+        or (stop and _OR_NEXT.match(after))  # "The answer is 3. Or 4."
+        or _DISJUNCTION.search(ans)  # "3 or more"
+    )
+    if hedged and len(spans) >= 2:  # keep every candidate: against a collection "or" reads as a list
+        ans = ", ".join(next(g for g in m.groups() if g is not None).strip() for m in spans)
+    return _Statement(marker.start(), ans, hedged, bool(_VALUE_START.match(sentence)))
+
+
+def _last_statement(text: str) -> _Statement | None:
     last = None
     for last in _MARKER.finditer(text):
         pass
-    if last is not None:  # the last statement, to the end of its line
-        eol = text.find("\n", last.end())
-        rest = text[last.end() : eol if eol >= 0 else len(text)]
-        rest = rest[_MARKER_LEAD.match(rest).end() :]
-        ans = _clean(rest[:TAIL_CHARS])  # bounded: the span regex is not linear
-        if ans:
-            return Extraction((ans,), "marker", hedged=bool(_DISJUNCTION.search(ans)))
+    return None if last is None else _read_statement(text, last)
+
+
+def extract_answer(text: str) -> Extraction:
+    """The issue's order: the boxed answers, else an explicit "answer is ..." / "Answer: ..." /
+    "#### ...", else the last number of the final non-empty line.
+
+    A statement of a value after the last box is one more answer: "\\boxed{3}. Final answer: 4"
+    answers both 3 and 4 (a hedge: the judge needs every answer right), while "\\boxed{3}. Final
+    answer: 3" is fine and "\\boxed{3}. This answer is consistent with ..." is prose, not a value."""
+    text = normalize_unicode(text)
+    boxes = [(b.strip(), end) for b, end in _boxes(text)]
+    boxes = [(b, end) for b, end in boxes if b]
+    statement = _last_statement(text)
+    if boxes:
+        answers = tuple(b for b, _ in boxes)
+        last_box_end = max(end for _, end in boxes)
+        if statement is not None and statement.start >= last_box_end and statement.value_like:
+            return Extraction(answers + (statement.answer,), "boxed", hedged=statement.hedged)
+        return Extraction(answers, "boxed")
+    if statement is not None:
+        return Extraction((statement.answer,), "marker", hedged=statement.hedged)
     final = _final_line(text)
     if final:
-        nums = _NUMBER.findall(final)
+        nums = list(_NUMBER.finditer(final))
         if nums:
-            return Extraction((nums[-1],), "last_number", hedged=bool(_NUM_DISJ.search(final)))
+            hedged = bool(_NUM_DISJ.search(final)) or _listed(final, nums[-2:])  # "3 or 4", "... 3, 4"
+            return Extraction((nums[-1].group(0),), "last_number", hedged=hedged)
     return Extraction((), "none")
 
 

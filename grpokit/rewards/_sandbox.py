@@ -1,5 +1,10 @@
-"""Parent side of the code sandbox: choose the isolation layers once, run one job, read its
-capped output and turn the event stream into a `CodeResult`.
+"""Parent side of the code sandbox: choose the isolation layers once, plan the tests, run one
+job, read its capped output and judge the data it sends back into a `CodeResult`.
+
+This process is the only judge: `plan_tests` keeps every expected value here and sends the
+sandbox only what must run (setup statements, the expressions a test needs, stdin); `judge`
+compares the plain values and outputs that come back ("Who decides a test passed" in
+docs/rewards.md).
 
 The layers, strongest first (docs/rewards.md, "Sandbox threat model", says what each one stops):
 
@@ -37,13 +42,15 @@ import uuid
 from dataclasses import dataclass, field
 
 from . import _sandbox_launcher as _launcher
+from ._judge import _warn_untrusted, judge
+from ._testplan import TestPlan, _Check, plan_tests
 
 logger = logging.getLogger("grpokit.rewards")
 
 LAUNCHER = os.path.abspath(_launcher.__file__)
 STARTUP_TIMEOUT_S = 30.0  # interpreter start + namespace setup, before the program's clock starts
 DRAIN_LIMIT = 8 * 2**20  # bytes of stdout/stderr read (and discarded past the cap) before closing
-EVENTS_LIMIT = 2**20  # bytes of result events accepted from one run
+DATA_LIMIT = 8 * 2**20  # bytes accepted on the launcher's and on the harness's channel of one run
 
 
 @dataclass(frozen=True)
@@ -97,8 +104,12 @@ def _with_missing(iso: Isolation) -> Isolation:
 _iso_lock = threading.Lock()
 _iso: list[Isolation] = []
 
-_PROBE_PROGRAM = "import decimal, fractions, json\nx = fractions.Fraction(1, 2)\n"
-_PROBE_TESTS = "open('probe.txt', 'w').write('ok')\nassert open('probe.txt').read() == 'ok'\nassert x == 0.5\n"
+_PROBE_PROGRAM = (
+    "import decimal, fractions, json\nx = fractions.Fraction(1, 2)\n"
+    "def probe():\n    with open('probe.txt', 'w') as f:\n        f.write('ok')\n"
+    "    with open('probe.txt') as f:\n        return f.read()\n"
+)
+_PROBE_TESTS = "assert probe() == 'ok'\nassert x == 0.5\n"  # a write in the workdir, a stdlib type
 
 
 def isolation() -> Isolation:
@@ -150,6 +161,9 @@ class CodeResult:
     status: "ok" (every test passed), "failed" (ran, some test failed), "timeout" (wall clock or
     CPU limit), "memory" (memory limit), "crashed" (the program did not compile, raised or exited
     before the tests ran, or died), "error" (it could not be run: bad tests, sandbox failure).
+    untrusted: how many of the `total` tests could not be judged by the trainer (their verdict
+    comes from inside the sandbox, where a hostile program can forge it; see docs/rewards.md);
+    untrusted_passed: how many of `passed` are such tests.
     """
 
     passed: int
@@ -159,6 +173,8 @@ class CodeResult:
     stderr: str = ""
     duration_s: float = 0.0
     detail: str = ""
+    untrusted: int = 0
+    untrusted_passed: int = 0
 
     @property
     def fraction(self) -> float:
@@ -180,48 +196,35 @@ class _Capped:
         return s + (f"\n[... {self.seen - len(self.buf)} more bytes dropped]" if self.seen > len(self.buf) else "")
 
 
-def count_tests(tests) -> tuple[str, int]:
-    """("io" | "assert", number of tests); raises ValueError for tests that cannot be used."""
-    cases = _launcher.parse_io_tests(tests)
-    if cases is not None:
-        return "io", len(cases)
-    if not isinstance(tests, str):
-        raise ValueError(f"tests must be a Python script or stdin/stdout cases, got {type(tests).__name__}")
-    try:
-        units = _launcher.split_tests(tests)
-    except (SyntaxError, ValueError) as e:
-        raise ValueError(f"tests do not parse: {e}") from None
-    return "assert", sum(1 for is_test, _ in units if is_test)
-
-
 def run_job(program: str, tests, *, iso: Isolation | None = None, timeout_s: float = 5.0,
             memory_mb: int = 512, nproc: int = 32, file_mb: int = 16, disk_mb: int = 64,
             output_cap: int = 16384, site: bool = True) -> CodeResult:
     """Run `program` against `tests` in a fresh sandbox; never raises for anything the program does."""
     t0 = time.monotonic()
     try:
-        mode, total = count_tests(tests)
+        plan = plan_tests(tests)
     except ValueError as e:
         return CodeResult(0, 0, "error", detail=str(e))
     if not isinstance(program, str):
-        return CodeResult(0, total, "error", detail="program must be a string")
+        return CodeResult(0, plan.total, "error", detail="program must be a string", untrusted=plan.untrusted)
+    if plan.untrusted:
+        _warn_untrusted(plan)
     iso = iso or isolation()
     token = f"{os.getpid()}-{uuid.uuid4().hex}"  # in every sandboxed environment: whose run it is
     hostdir = None if iso.mountns else tempfile.mkdtemp(prefix=f"grpokit-sbx-{os.getpid()}-")
     workdir = _launcher.SANDBOX_DIR if iso.mountns else hostdir
-    cfg = {
-        "program": program, "tests": tests, "mode": mode, "timeout_s": timeout_s, "memory_mb": memory_mb,
-        "nproc": nproc, "file_mb": file_mb, "disk_mb": disk_mb, "output_cap": output_cap, "site": site,
-        "workdir": workdir, "token": token, "expose": _expose_paths(), "hide": [os.path.expanduser("~")],
-        "parent_pid": os.getpid(),
-        "startup_s": STARTUP_TIMEOUT_S,
+    cfg = {  # no expected value of a test the parent judges is in here (see TestPlan)
+        "program": program, "mode": plan.mode, "steps": plan.steps, "timeout_s": timeout_s,
+        "memory_mb": memory_mb, "nproc": nproc, "file_mb": file_mb, "disk_mb": disk_mb, "output_cap": output_cap,
+        "site": site, "workdir": workdir, "token": token, "expose": _expose_paths(),
+        "hide": [os.path.expanduser("~")], "parent_pid": os.getpid(), "startup_s": STARTUP_TIMEOUT_S,
         "layers": {"userns": iso.userns, "mountns": iso.mountns, "pidns": iso.pidns,
                    "netns": iso.netns, "uid": iso.uid_drop},
     }
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GRPOKIT_SANDBOX": token}
     try:
-        return _execute(cfg, env, total, timeout_s, output_cap, t0)
+        return _execute(cfg, env, plan, timeout_s, output_cap, t0)
     finally:
         if hostdir:
             shutil.rmtree(hostdir, ignore_errors=True)
@@ -236,22 +239,29 @@ def _expose_paths() -> list[str]:
     return sorted(p for p in paths if p and os.path.isdir(p))
 
 
-def _execute(cfg: dict, env: dict, total: int, timeout_s: float, cap: int, t0: float) -> CodeResult:
-    r_fd, w_fd = os.pipe()
-    cfg["result_fd"] = w_fd
+def _execute(cfg: dict, env: dict, plan: TestPlan, timeout_s: float, cap: int, t0: float) -> CodeResult:
+    """Start the launcher and read its four outputs until it exits: stdout and stderr (capped),
+    its own events (`result_fd`: the child's pid, setup errors) and the harness's data
+    (`data_fd`), then judge. Only the launcher holds `result_fd`; the program holds `data_fd`."""
+    ev_r, ev_w = os.pipe()
+    data_r, data_w = os.pipe()
+    cfg["result_fd"], cfg["data_fd"] = ev_w, data_w
     try:
         proc = subprocess.Popen(
             [sys.executable, "-I", "-S", LAUNCHER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, pass_fds=(w_fd,), start_new_session=True, env=env, cwd="/",
+            stderr=subprocess.PIPE, pass_fds=(ev_w, data_w), start_new_session=True, env=env, cwd="/",
         )
     except OSError as e:
-        os.close(r_fd)
-        os.close(w_fd)
-        return CodeResult(0, total, "error", detail=f"cannot start the sandbox: {e}")
-    os.close(w_fd)
+        for fd in (ev_r, ev_w, data_r, data_w):
+            os.close(fd)
+        return CodeResult(0, plan.total, "error", detail=f"cannot start the sandbox: {e}", untrusted=plan.untrusted)
+    os.close(ev_w)
+    os.close(data_w)
+    ev_f, data_f = os.fdopen(ev_r, "rb", buffering=0), os.fdopen(data_r, "rb", buffering=0)
     payload = memoryview(json.dumps(cfg).encode())
-    out, err, events = _Capped(cap), _Capped(cap), bytearray()
-    sinks = {proc.stdout.fileno(): out, proc.stderr.fileno(): err, r_fd: None}
+    out, err, events, data = _Capped(cap), _Capped(cap), bytearray(), bytearray()
+    sinks = {proc.stdout.fileno(): out, proc.stderr.fileno(): err, ev_r: events, data_r: data}
+    files = {proc.stdout.fileno(): proc.stdout, proc.stderr.fileno(): proc.stderr, ev_r: ev_f, data_r: data_f}
     sel = selectors.DefaultSelector()
     in_fd = proc.stdin.fileno()
     os.set_blocking(in_fd, False)
@@ -268,7 +278,7 @@ def _execute(cfg: dict, env: dict, total: int, timeout_s: float, cap: int, t0: f
     try:
         while proc.poll() is None:
             now = time.monotonic()
-            if started_at is None and _START in events:
+            if started_at is None and _START in data:
                 started_at = now
             deadline = started_at + timeout_s if started_at is not None else spawn_deadline
             if killed_at is None and now >= deadline:
@@ -291,49 +301,52 @@ def _execute(cfg: dict, env: dict, total: int, timeout_s: float, cap: int, t0: f
                     if not payload:
                         sel.unregister(fd)
                         proc.stdin.close()
-                elif not _pump(fd, sinks[fd], events):
+                elif not _pump(fd, sinks[fd]):
                     sel.unregister(fd)
-                    if sinks[fd] is not None and sinks[fd].seen > DRAIN_LIMIT:
-                        (proc.stdout if sinks[fd] is out else proc.stderr).close()  # writer: EPIPE
+                    if _flooded(sinks[fd]):
+                        files[fd].close()  # the writer gets EPIPE instead of blocking forever
         # The launcher is gone. With a pid namespace so is everything it started; without one a
         # leftover may still hold the pipes open, so only take what is already buffered.
         for fd, sink in sinks.items():
             if fd in sel.get_map():
                 os.set_blocking(fd, False)
                 for _ in range(256):
-                    if not _pump(fd, sink, events):
+                    if not _pump(fd, sink):
                         break
     finally:
         sel.close()
         if proc.poll() is None:
             _kill_group(proc)
             proc.wait()
-        for f in (proc.stdin, proc.stdout, proc.stderr):
+        for f in (proc.stdin, *files.values()):
             if not f.closed:
                 f.close()
-        os.close(r_fd)
         if pidfd is not None:
             os.close(pidfd)
-    return _result(events, proc.returncode, timed_out, killed_at is not None, total, out, err, t0)
+    return _result(events, data, proc.returncode, timed_out, killed_at is not None, plan, out, err, t0)
 
 
 _START = b'{"ev": "start"}'
 
 
-def _pump(fd: int, sink: _Capped | None, events: bytearray) -> bool:
+def _pump(fd: int, sink: _Capped | bytearray) -> bool:
     """Move what is readable on `fd` into its sink; False once the stream should be dropped
-    (end of file, or a flood past the drain limit: closing makes the writer fail with EPIPE)."""
+    (end of file, or a flood past its limit)."""
     try:
-        data = os.read(fd, 65536)
+        chunk = os.read(fd, 65536)
     except OSError:  # BlockingIOError included: nothing more buffered
         return False
-    if not data:
+    if not chunk:
         return False
-    if sink is None:
-        events += data
-        return len(events) <= EVENTS_LIMIT
-    sink.add(data)
-    return sink.seen <= DRAIN_LIMIT
+    if isinstance(sink, bytearray):
+        sink += chunk
+    else:
+        sink.add(chunk)
+    return not _flooded(sink)
+
+
+def _flooded(sink: _Capped | bytearray) -> bool:
+    return len(sink) > DATA_LIMIT if isinstance(sink, bytearray) else sink.seen > DRAIN_LIMIT
 
 
 def _signal(proc: subprocess.Popen, sig: int) -> None:
@@ -350,43 +363,54 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def _result(events: bytearray, rc: int | None, timed_out: bool, killed: bool, total: int,
-            out: _Capped, err: _Capped, t0: float) -> CodeResult:
-    passed, done, saw_pid, setup_error, harness_error = set(), None, False, None, None
-    for line in bytes(events).splitlines():
+def _lines(buf: bytearray) -> list[dict]:
+    out = []
+    for line in bytes(buf).splitlines():
         try:
             ev = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
-        if not isinstance(ev, dict):
-            continue
-        kind = ev.get("ev")
-        if kind == "pid":
-            saw_pid = True
-        elif kind == "setup_error" and setup_error is None:
-            setup_error = str(ev.get("msg", ""))
-        elif kind == "harness_error" and harness_error is None:
-            harness_error = str(ev.get("msg", ""))
-        elif kind == "test":
-            i = ev.get("i")
-            if type(i) is int and 0 <= i < total and ev.get("ok") is True:
-                passed.add(i)
-        elif kind == "done" and done is None:
+        if isinstance(ev, dict):
+            out.append(ev)
+    return out
+
+
+def _result(events: bytearray, data: bytearray, rc: int | None, timed_out: bool, killed: bool, plan: TestPlan,
+            out: _Capped, err: _Capped, t0: float) -> CodeResult:
+    """Judge the harness's data against the plan; the status only labels what happened (the
+    sandbox's "done" and "harness_error" lines are hints: they never make a test pass)."""
+    launcher = _lines(events)
+    saw_pid = any(ev.get("ev") == "pid" for ev in launcher)
+    setup_error = next((str(ev.get("msg", "")) for ev in launcher if ev.get("ev") == "setup_error"), None)
+    replies, done, harness_error = {}, None, None
+    for ev in _lines(data):
+        if type(ev.get("u")) is int:
+            replies.setdefault(ev["u"], ev)  # the first reply per test counts
+        elif ev.get("ev") == "done" and done is None:
             done = ev
-    n = len(passed)
+        elif ev.get("ev") == "harness_error" and harness_error is None:
+            harness_error = str(ev.get("msg", ""))
+    verdicts = judge(plan, replies)
+    n = sum(ok for ok, _ in verdicts)
+    untrusted = [not c.trusted if isinstance(c, _Check) else False for c in plan.checks]
+    n_untrusted = sum(ok and u for (ok, _), u in zip(verdicts, untrusted))
+    first_fail = next((f"test {i + 1}: {why}" for i, (ok, why) in enumerate(verdicts) if not ok), "")
     dur = time.monotonic() - t0
-    mk = lambda status, detail="": CodeResult(n, total, status, out.text(), err.text(), dur, detail)  # noqa: E731
+
+    def mk(status: str, detail: str = "") -> CodeResult:
+        return CodeResult(n, plan.total, status, out.text(), err.text(), dur, detail[:500], sum(untrusted), n_untrusted)
+
     if timed_out:
         return mk("timeout", "wall-clock limit")
     if not saw_pid:
         return mk("error", setup_error or f"sandbox did not start (exit {rc})" + (" (startup timeout)" if killed else ""))
     if done is not None:
-        status = done.get("status")
-        if status not in ("ok", "failed", "memory", "crashed"):
-            status = "crashed"
-        if status == "ok" and n != total:
-            status = "failed"
-        return mk(status, str(done.get("msg", ""))[:500])
+        status, msg = done.get("status"), str(done.get("msg", ""))
+        if status == "crashed":
+            return mk("crashed", msg)
+        if n == plan.total:
+            return mk("ok")
+        return mk("memory" if status == "memory" else "failed", msg or first_fail)
     if rc is not None and rc - 128 == signal.SIGXCPU:
         return mk("timeout", "CPU-time limit")
     if harness_error and "MemoryError" in harness_error:

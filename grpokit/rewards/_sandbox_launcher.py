@@ -1,4 +1,4 @@
-"""Sandbox launcher and test harness for `grpokit.rewards.code`.
+"""Sandbox launcher and harness for `grpokit.rewards.code`.
 
 This file runs as its own process (`python -I -S _sandbox_launcher.py`, configuration as JSON on
 stdin) and must only import the standard library: it is executed by path, never through the
@@ -9,12 +9,18 @@ Process tree (the names are the ones used in the docs):
 
     trainer ── launcher (new session; trusted, never runs untrusted code)
                  └── child (pid 1 of a new pid namespace when available) = harness + program
+                       └── one process per stdin/stdout case (io tests only)
 
 The launcher enters the namespaces, prepares the mounts, forks the child, waits for it, then
-cleans up. The child sets its limits, drops privileges and runs the harness, which executes the
-untrusted program and the tests in one interpreter and streams one JSON line per event to the
-result pipe (`result_fd`). Nothing the harness reports is trusted blindly: the parent counts the
-tests itself and only accepts per-test events for indices it knows.
+cleans up; its own events (the child's pid, a setup error) go to `result_fd`, which the child
+closes before anything else. The child sets its limits, drops privileges and runs the harness.
+
+Who decides that a test passed: never this file's child. The parent keeps the expected values
+and sends only what must run: setup statements, the expressions whose values a test needs, the
+stdin of each case. The harness sends back DATA on `data_fd` (values restricted to plain builtin
+types, captured stdout, exit codes); the parent compares them with the expected values. The
+program shares the harness's interpreter, so it can write anything to `data_fd`, but without the
+expected values it can only forge data it could also have returned honestly.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import io
 import json
 import os
 import resource
+import select
 import signal
 import sys
 
@@ -51,46 +58,6 @@ PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 2
 SECUREBITS_LOCKED_DOWN = 0x01 | 0x02 | 0x04 | 0x08 | 0x20
 SANDBOX_DIR = "/tmp"  # the sandbox's working directory when a mount namespace is available
 SANDBOX_UID_BASE = 2_000_000_000  # + the launcher's pid (unique while it runs; pid_max <= 2**22)
-
-
-# --------------------------------------------------------------------------- test parsing
-# Shared with the parent (imported as grpokit.rewards._sandbox_launcher) so that both sides
-# agree on what a "test" is; the parent's count is the one that is trusted.
-
-
-def split_tests(tests: str) -> list[tuple[bool, ast.stmt]]:
-    """Top-level statements of an assert-style test script, each flagged `is_test`.
-
-    A test is a top-level `assert` or a top-level call expression (e.g. HumanEval's
-    `check(candidate)`); every other statement (imports, helper definitions, assignments) is setup.
-    Raises SyntaxError/ValueError for a script that does not parse.
-    """
-    tree = ast.parse(tests, "<tests>", "exec")
-    return [
-        (isinstance(s, ast.Assert) or (isinstance(s, ast.Expr) and isinstance(s.value, ast.Call)), s)
-        for s in tree.body
-    ]
-
-
-def parse_io_tests(tests) -> list[tuple[str, str]] | None:
-    """stdin/stdout cases from `[{"input","output"}, ...]`, `{"inputs":[...],"outputs":[...]}`
-    or the same as a JSON string; None when `tests` is not in one of these forms."""
-    if isinstance(tests, str):
-        s = tests.lstrip()
-        if not s.startswith(("[", "{")):
-            return None
-        try:
-            tests = json.loads(s)
-        except ValueError:
-            return None
-    if isinstance(tests, dict) and "inputs" in tests and "outputs" in tests:
-        ins, outs = tests["inputs"], tests["outputs"]
-        if isinstance(ins, list) and isinstance(outs, list) and len(ins) == len(outs):
-            return [(str(i), str(o)) for i, o in zip(ins, outs)]
-        return None
-    if isinstance(tests, list) and all(isinstance(c, dict) and "input" in c and "output" in c for c in tests):
-        return [(str(c["input"]), str(c["output"])) for c in tests]
-    return None
 
 
 # --------------------------------------------------------------------------- namespaces
@@ -324,7 +291,7 @@ def main() -> None:
     fd = os.open("/dev/null", os.O_RDONLY)
     os.dup2(fd, 0)
     os.close(fd)
-    rfd = cfg["result_fd"]
+    rfd, dfd = cfg["result_fd"], cfg["data_fd"]
     emit = lambda obj: os.write(rfd, (json.dumps(obj) + "\n").encode())  # noqa: E731
     lay = cfg["layers"]
     lay["uid"] = SANDBOX_UID_BASE + os.getpid() if lay["uid"] else None
@@ -338,6 +305,7 @@ def main() -> None:
     go_r, go_w = os.pipe()
     pid = os.fork()
     if pid == 0:
+        os.close(rfd)  # the launcher's channel: the program must never hold it
         code = EXIT_HARNESS
         try:
             os.close(go_w)
@@ -345,7 +313,8 @@ def main() -> None:
             code = 0
         except BaseException as e:  # noqa: BLE001
             try:
-                emit({"ev": "harness_error", "msg": f"{type(e).__name__}: {e}"[:500]})
+                msg = {"ev": "harness_error", "msg": f"{type(e).__name__}: {e}"[:500]}  # a hint, not a verdict
+                os.write(dfd, (json.dumps(msg) + "\n").encode())
             except BaseException:  # noqa: BLE001
                 pass
         for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
@@ -354,6 +323,7 @@ def main() -> None:
             except BaseException:  # noqa: BLE001 - replaced or closed by the program
                 pass
         os._exit(code)
+    os.close(dfd)  # only the child writes data; the parent sees end of file when it is gone
     os.close(go_r)
     # SIGTERM from the parent means "time is up": kill the child (pid 1 of the namespace takes
     # every process in it along), then fall through to the cleanup below.
@@ -377,20 +347,73 @@ def main() -> None:
 
 
 # --------------------------------------------------------------------------- harness
+# Runs in the child. For assert tests the program shares this interpreter, so nothing here is
+# trusted: the harness only evaluates what the parent asks for and sends the values back as data.
+
+VALUE_CAP = 2**20  # budget for one encoded value (nodes + characters); more is sent as an error
+EXIT_MEMORY = 5  # exit code of an io case process that ran out of memory
 
 
-class _CappedOut(io.StringIO):
-    """stdout for stdin/stdout tests: a program that floods it gets an OSError, not our memory."""
+class _NotData(Exception):
+    """A value the parent would not accept (only plain builtin types travel)."""
 
-    def __init__(self, cap: int):
-        super().__init__()
-        self._left = cap
 
-    def write(self, s):
-        self._left -= len(s)
-        if self._left < 0:
-            raise OSError("output limit exceeded")
-        return super().write(s)
+def encode_value(x, budget: list | None = None, depth: int = 0):
+    """`x` as JSON-ready data; `_sandbox.decode_value` in the parent is the inverse.
+
+    None, bool, int (64-bit), float and str travel as themselves, list as a JSON array; the rest
+    as a one-key object: {"i": hex} larger int, {"t": [...]} tuple, {"S": [...]} set,
+    {"F": [...]} frozenset, {"d": [[k, v], ...]} dict, {"c": [re, im]} complex, {"y": hex} bytes,
+    {"q": [num, den]} Fraction, {"D": text} Decimal. Types are checked with `type(x) is ...`:
+    a subclass of int could bring its own __eq__, so it is refused (raises _NotData). numpy
+    scalars go as their `.item()`. The parent re-checks all of this: whatever this process sends,
+    it can only rebuild plain values from it.
+    """
+    if budget is None:
+        budget = [VALUE_CAP]
+    t = type(x)
+    _spend(budget, 1 + (len(x) if t is str else 2 * len(x) if t is bytes else 0), depth)
+    if x is None or t is bool or t is float or t is str:
+        return x
+    if t is int:
+        if -(2**63) < x < 2**63:
+            return x
+        _spend(budget, x.bit_length() // 4, depth)
+        return {"i": format(x, "x")}  # hex: no digit limit, unlike int(str) for decimal text
+    if t is list:
+        return [encode_value(v, budget, depth + 1) for v in x]
+    tag = {tuple: "t", set: "S", frozenset: "F"}.get(t)
+    if tag:
+        return {tag: [encode_value(v, budget, depth + 1) for v in x]}
+    if t is dict:
+        return {"d": [[encode_value(k, budget, depth + 1), encode_value(v, budget, depth + 1)] for k, v in x.items()]}
+    if t is complex:
+        return {"c": [x.real, x.imag]}
+    if t is bytes:
+        return {"y": x.hex()}
+    mod, name = getattr(t, "__module__", ""), getattr(t, "__qualname__", "")
+    if (mod, name) == ("fractions", "Fraction"):
+        return {"q": [encode_value(x.numerator, budget), encode_value(x.denominator, budget)]}
+    if mod in ("decimal", "_decimal", "_pydecimal") and name == "Decimal":
+        return {"D": str(x)[:1000]}
+    if mod == "numpy" and name != "ndarray" and hasattr(x, "item"):
+        item = x.item()
+        if type(item) in (bool, int, float, complex):
+            return encode_value(item, budget, depth + 1)
+    raise _NotData(f"a {mod}.{name} is not plain data (int, float, str, bytes, list, tuple, dict, set, None, ...)")
+
+
+def _spend(budget: list, n: int, depth: int) -> None:
+    budget[0] -= n
+    if budget[0] < 0 or depth > 100:
+        raise _NotData("value too large or too deeply nested to send")
+
+
+def _name(e: BaseException) -> str:
+    try:
+        return str(type(e).__name__)[:100]
+    except BaseException:  # noqa: BLE001 - the program's exception class, possibly hostile
+        return "exception"
 
 
 _TRUSTED_DIRS: tuple[str, ...] = ()  # the interpreter's own library dirs, set before the program runs
@@ -438,32 +461,21 @@ class _GuardEq(ast.NodeTransformer):
         return node
 
 
-def _same_output(got: str, want: str) -> bool:
-    a, b = got.split(), want.split()
-    if a == b:
-        return True
-    if len(a) != len(b):
-        return False
-    for x, y in zip(a, b):
-        if x == y:
-            continue
-        try:
-            fx, fy = float(x), float(y)
-        except ValueError:
-            return False
-        if abs(fx - fy) > 1e-6 * max(1.0, abs(fy)):
-            return False
-    return True
-
 
 class _Harness:
     def __init__(self, cfg: dict):
         self.cfg = cfg
-        self.rfd = cfg["result_fd"]
-        self._write, self._dumps = os.write, json.dumps  # bound before the program runs
+        self.fd = cfg["data_fd"]
+        # Bound before the program runs. Not for security (this process only ever sends data),
+        # but so that a program that replaces builtins or json still has its values delivered.
+        self._write, self._dumps = os.write, json.dumps
+        self._exec, self._eval, self._compile = exec, eval, compile
+        self.memory = False  # a MemoryError was seen: reported as status "memory"
 
-    def emit(self, **obj) -> None:
-        self._write(self.rfd, (self._dumps(obj) + "\n").encode())
+    def send(self, **obj) -> None:
+        data = memoryview((self._dumps(obj) + "\n").encode())
+        while data:
+            data = data[self._write(self.fd, data):]
 
     def run(self) -> None:
         global _TRUSTED_DIRS
@@ -478,68 +490,160 @@ class _Harness:
         try:
             code = compile(cfg["program"], "<program>", "exec")
         except BaseException as e:  # noqa: BLE001 - SyntaxError, ValueError (NUL bytes), MemoryError
-            self.emit(ev="done", status="crashed", msg=f"program does not compile: {type(e).__name__}: {e}"[:500])
+            self.send(ev="done", status="crashed", msg=f"program does not compile: {type(e).__name__}: {e}"[:500])
             return
         if cfg["mode"] == "io":
-            self._run_io(code, parse_io_tests(cfg["tests"]))
+            self._run_io(code, cfg["steps"])  # the stdin of each case
         else:
-            self._run_asserts(code, split_tests(cfg["tests"]))
+            self._run_asserts(code, cfg["steps"])
 
-    def _run_asserts(self, code, units) -> None:
+    # ---------------------------------------------------------------- assert tests
+
+    def _run_asserts(self, code, steps: list) -> None:
+        """The program, then the parent's steps in order: ["exec", src] a setup statement,
+        ["eval", i, [src, ...]] the expressions test i needs (their values are sent), ["run", i,
+        src] a test the parent cannot split (only whether it raised is sent)."""
         ns = {"__name__": "__solution__", "__builtins__": builtins}
         sys.stdin = io.StringIO("")
-        self.emit(ev="start")
+        self.send(ev="start")
         try:
-            exec(code, ns)  # noqa: S102 - untrusted by design; this whole process is the sandbox
+            self._exec(code, ns)  # noqa: S102 - untrusted by design; this whole process is the sandbox
         except MemoryError:
-            self.emit(ev="done", status="memory", msg="MemoryError while running the program")
+            self.send(ev="done", status="memory", msg="MemoryError while running the program")
             return
         except BaseException as e:  # noqa: BLE001 - incl. SystemExit: the tests never ran
-            self.emit(ev="done", status="crashed", msg=f"program raised {type(e).__name__}: {e}"[:500])
+            self.send(ev="done", status="crashed", msg=f"program raised {_name(e)}")
             return
         ns["__grpokit_cmp__"] = _guarded_compare
-        status, i = "ok", 0
-        for is_test, stmt in units:
-            mod = ast.fix_missing_locations(ast.Module([_GuardEq().visit(stmt)], []))
-            ok = True
-            try:
-                exec(compile(mod, "<tests>", "exec"), ns)  # noqa: S102
-            except MemoryError:
-                ok, status = False, "memory"
-            except BaseException:  # noqa: BLE001 - a failing test, whatever it raised
-                ok = False
-            if is_test:
-                self.emit(ev="test", i=i, ok=ok)
-                i += 1
-                if not ok and status == "ok":
-                    status = "failed"
-        self.emit(ev="done", status=status)
+        for step in steps:
+            if step[0] == "exec":
+                self._statement(step[1], ns)
+            elif step[0] == "eval":
+                self.send(u=step[1], v=[self._value(src, ns) for src in step[2]])
+            else:
+                self.send(u=step[1], ok=self._statement(step[2], ns))
+        self.send(ev="done", status="memory" if self.memory else "ran")
 
-    def _run_io(self, code, cases) -> None:
-        cap = self.cfg["output_cap"]
-        real_out = sys.stdout
-        self.emit(ev="start")
-        status = "ok"
-        for i, (inp, want) in enumerate(cases):
-            sys.stdin, out = io.StringIO(inp), _CappedOut(cap)
-            sys.stdout = out
-            ns = {"__name__": "__main__", "__builtins__": builtins}
-            try:
-                exec(code, ns)  # noqa: S102
-                ok = True
-            except SystemExit as e:
-                ok = e.code in (None, 0)
-            except MemoryError:
-                ok, status = False, "memory"
-            except BaseException:  # noqa: BLE001
-                ok = False
-            finally:
-                sys.stdout = real_out
-            ok = ok and _same_output(out.getvalue(), want)
-            self.emit(ev="test", i=i, ok=ok)
-            if not ok and status == "ok":
-                status = "failed"
-        self.emit(ev="done", status=status)
+    def _statement(self, src: str, ns: dict) -> bool:
+        """Run one statement of the tests; False if it raised. Its asserts get the "always
+        equal" guard: only the verdicts of "run" steps depend on it, and those are forgeable
+        anyway (they are counted as untrusted), so it is a speed bump, not a wall."""
+        try:
+            tree = ast.fix_missing_locations(_GuardEq().visit(ast.parse(src, "<tests>", "exec")))
+            self._exec(self._compile(tree, "<tests>", "exec"), ns)  # noqa: S102
+            return True
+        except MemoryError:
+            self.memory = True
+        except BaseException:  # noqa: BLE001 - a failing test, whatever it raised
+            pass
+        return False
+
+    def _value(self, src: str, ns: dict):
+        """The value of one expression as data, or {"!": why} when it raised or is not data."""
+        try:
+            return encode_value(self._eval(self._compile(src, "<tests>", "eval"), ns))  # noqa: S307
+        except MemoryError:
+            self.memory = True
+            return {"!": "MemoryError"}
+        except _NotData as e:
+            return {"!": str(e)}
+        except BaseException as e:  # noqa: BLE001
+            return {"!": f"raised {_name(e)}"}
+
+    # ---------------------------------------------------------------- stdin/stdout tests
+
+    def _run_io(self, code, inputs: list) -> None:
+        """Each case in a fresh process forked from here before any of the program's code ran in
+        this one: no state carries over between cases, and the only channel a case has is its
+        stdout, which the parent compares with the expected output it never sent."""
+        self.send(ev="start")
+        for i, text in enumerate(inputs):
+            out, rc, over = self._case(code, text)
+            self.memory = self.memory or rc == EXIT_MEMORY
+            self.send(u=i, out=out, rc=rc, over=over)
+        self.send(ev="done", status="memory" if self.memory else "ran")
+
+    def _case(self, code, text: str) -> tuple[str, int, bool]:
+        stdin = _stdin_fd(text)
+        r, w = os.pipe()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()  # nothing buffered here may be written twice by the fork
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            os._exit(_run_case(code, stdin, w))
+        os.close(w)
+        os.close(stdin)
+        try:
+            out, over = _read_capped(r, pid, self.cfg["output_cap"])
+        finally:
+            os.close(r)
+        _, status = os.waitpid(pid, 0)
+        return out, os.waitstatus_to_exitcode(status), over
+
+
+def _stdin_fd(text: str) -> int:
+    """A readable descriptor holding `text` (an anonymous memory file; a pipe could not take a
+    large input before the reader starts)."""
+    data = text.encode()
+    try:
+        fd = os.memfd_create("stdin")
+    except (AttributeError, OSError):  # not Linux, or an old kernel: a nameless file in the workdir
+        fd = os.open(".", os.O_TMPFILE | os.O_RDWR, 0o600)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _run_case(code, stdin_fd: int, out_fd: int) -> int:
+    """In the case's own process: stdin and stdout wired, every other descriptor closed (the
+    data channel included), the program run as __main__. Returns the exit code (0: clean exit)."""
+    try:
+        os.dup2(stdin_fd, 0)
+        os.dup2(out_fd, 1)
+        os.closerange(3, 1024)
+        sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115
+        sys.stdout = out = open(1, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
+    except BaseException:  # noqa: BLE001
+        return EXIT_HARNESS
+    try:
+        exec(code, {"__name__": "__main__", "__builtins__": builtins})  # noqa: S102
+        rc = 0
+    except SystemExit as e:
+        rc = 0 if e.code is None or e.code == 0 else 1
+    except MemoryError:
+        rc = EXIT_MEMORY
+    except BaseException:  # noqa: BLE001
+        rc = 1
+    try:
+        out.flush()
+    except BaseException:  # noqa: BLE001 - e.g. the pipe was closed after a flood
+        rc = rc or 1
+    return rc
+
+
+def _read_capped(fd: int, pid: int, cap: int) -> tuple[str, bool]:
+    """A case's stdout, at most `cap` bytes (over=True and the process killed when it writes
+    more). Stops at end of file, or once the process has exited and the pipe is drained: a
+    background process it left behind may hold the pipe open."""
+    buf, exited = bytearray(), False
+    while True:
+        ready, _, _ = select.select([fd], [], [], 0 if exited else 0.05)
+        if ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            buf += chunk
+            if len(buf) > cap:
+                os.kill(pid, signal.SIGKILL)
+                return buf[:cap].decode("utf-8", "replace"), True
+        elif exited:
+            break
+        else:  # WNOWAIT: look, do not reap (the caller waits for the exit status)
+            exited = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    return buf.decode("utf-8", "replace"), False
 
 
 if __name__ == "__main__":

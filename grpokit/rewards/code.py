@@ -6,8 +6,15 @@ Tests come from a dataset column (`tests` by default) in one of two forms:
 - an assert script: every top-level `assert` (or top-level call such as `check(f)`) is one test,
   run in order in the program's namespace after the program (`__name__` is not "__main__");
 - stdin/stdout cases: `[{"input": ..., "output": ...}, ...]` or `{"inputs": [...], "outputs": [...]}`
-  (or that as JSON text); the program runs once per case as `__main__`, whitespace-insensitive
-  comparison, numbers within 1e-6.
+  (or that as JSON text); the program runs once per case, in a fresh process, as `__main__`;
+  whitespace-insensitive comparison, numbers within 1e-6.
+
+Who decides a test passed: the trainer, never the sandboxed process. The sandbox only evaluates
+expressions (`add(1, 2)`) and runs programs on stdin; it sends back plain data (values of builtin
+types, captured stdout), and the trainer compares that with expected values it never sent. Tests
+it cannot judge that way (e.g. a loop of asserts inside `check`) are reported by the sandbox and
+counted in `CodeResult.untrusted`: a hostile program can forge those (`trusted_only=True` scores
+them 0). docs/rewards.md has the details and the threat model.
 
 Scores: no code block -> 0.0; a program that does not compile, crashes, times out or exceeds its
 memory -> the fraction it passed before (usually 0.0); tests that do not parse, or a sandbox that
@@ -65,7 +72,9 @@ def run_tests(program: str, tests, *, timeout_s: float = 5.0, memory_mb: int = 5
     timeout_s: wall-clock limit of the program + tests (CPU limit is timeout_s + 2 s).
     memory_mb: address-space limit. nproc: process limit. file_mb: largest file it may write.
     disk_mb: size of its private /tmp (mount namespace only). output_cap: bytes kept of
-    stdout/stderr each. Never raises for anything the program does.
+    stdout/stderr each (and of each stdin/stdout case's output). Never raises for anything the
+    program does. `CodeResult.untrusted` counts the tests whose verdict had to come from inside
+    the sandbox (see the module docstring).
     """
     return run_job(program, tests, timeout_s=timeout_s, memory_mb=memory_mb, nproc=nproc,
                    file_mb=file_mb, disk_mb=disk_mb, output_cap=output_cap)
@@ -101,9 +110,13 @@ def run_tests_batch(programs: list[str], tests: list, *, max_workers: int | None
 
 @register("code_tests")
 def code_tests(prompts, completions, *, tests_column: str = "tests", all_or_nothing: bool = False,
-               timeout_s: float = 5.0, memory_mb: int = 512, max_workers: int | None = None,
-               **columns) -> list[float | None]:
-    """Fraction of the tests the completion's program passes (see the module docstring)."""
+               trusted_only: bool = False, timeout_s: float = 5.0, memory_mb: int = 512,
+               max_workers: int | None = None, **columns) -> list[float | None]:
+    """Fraction of the tests the completion's program passes (see the module docstring).
+
+    trusted_only: count only passes the trainer judged itself; a test whose verdict comes from
+    inside the sandbox (`CodeResult.untrusted`) scores 0 even when reported as passed.
+    """
     if tests_column not in columns:
         raise KeyError(f"code_tests needs the dataset column {tests_column!r} (have: {sorted(columns)})")
     tests = list(columns[tests_column])
@@ -115,10 +128,11 @@ def code_tests(prompts, completions, *, tests_column: str = "tests", all_or_noth
                               timeout_s=timeout_s, memory_mb=memory_mb)
     scores: list[float | None] = [None if t is None else 0.0 for t in tests]
     for i, res in zip(todo, results):
+        passed = res.passed - res.untrusted_passed if trusted_only else res.passed
         if res.status == "error" or res.total == 0:
             scores[i] = None
         elif all_or_nothing:
-            scores[i] = 1.0 if res.status == "ok" else 0.0
+            scores[i] = 1.0 if res.status == "ok" and passed == res.total else 0.0
         else:
-            scores[i] = res.passed / res.total
+            scores[i] = passed / res.total
     return scores

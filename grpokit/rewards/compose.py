@@ -3,11 +3,14 @@
     total_i = sum_k weight_k * r_k(i)        (NaN when any r_k(i) is None: the trainer excludes
                                               the sample from group statistics, advantage 0)
 
-Containment: a reward that raises, returns the wrong number of values or a non-number, or runs
-past its `timeout_s` scores None for that call's samples, counts them in `reward/<name>/errors`, and
-logs its first traceback once (logger `grpokit.rewards`). Training never stops for it. A timed
-out reward keeps running in its abandoned daemon thread (Python cannot kill a thread); the
-built-in math and code rewards have their own hard limits, so theirs end on their own.
+Containment: a reward that raises (anything but KeyboardInterrupt, `sys.exit()` included),
+returns the wrong number of values or a non-number, or runs past its `timeout_s` (default
+`DEFAULT_TIMEOUT_S`, 300 s per call) scores None for that call's samples, counts them in
+`reward/<name>/errors`, and logs its first traceback once (logger `grpokit.rewards`). Training
+never stops for it. A reward with a budget runs in a daemon thread; a timed out one keeps running
+there, abandoned (Python cannot kill a thread); the built-in math and code rewards have their own
+hard limits, so theirs end on their own. `timeout_s: null` runs a reward in the caller's thread
+with no budget (needed by a reward that sets signal handlers, which only the main thread may do).
 
 Cross-checking (`CrossCheck`): on a random `fraction` of the samples the primary reward's scores
 are compared with an independent checker (a registered reward such as `math_accuracy_alt`, or any
@@ -48,6 +51,10 @@ from .registry import get
 
 logger = logging.getLogger("grpokit.rewards")
 
+DEFAULT_TIMEOUT_S = 300.0
+"""Default time budget of one reward call (all samples of the batch) and of one checker call: a
+custom reward that hangs costs at most this per step instead of stalling training forever."""
+
 
 def _suggest(word: str, options) -> str:
     close = difflib.get_close_matches(str(word), list(options), n=1)
@@ -65,8 +72,9 @@ class RewardSpec(BaseModel):
     """Multiplier in the total; 0 keeps it as a logged metric only."""
     args: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments bound to the reward function."""
-    timeout_s: float | None = None
-    """Time budget of one call (all samples of the batch); None: no budget."""
+    timeout_s: float | None = DEFAULT_TIMEOUT_S
+    """Time budget of one call (all samples of the batch), in seconds; None: no budget (the
+    reward then runs in the caller's thread, so a reward that hangs stalls training)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -110,8 +118,8 @@ class CrossCheck:
     """Scores further apart than this disagree."""
     seed: int = 0
     """Seed of the sampling of checked samples."""
-    timeout_s: float | None = None
-    """Time budget of one checker call."""
+    timeout_s: float | None = DEFAULT_TIMEOUT_S
+    """Time budget of one checker call, in seconds; None: no budget."""
 
     def __post_init__(self):
         if not 0.0 <= self.fraction <= 1.0:
@@ -257,7 +265,7 @@ class RewardSet:
         def target():
             try:
                 box["v"] = fn(list(prompts), list(completions), **kwargs)
-            except Exception as e:  # noqa: BLE001
+            except BaseException as e:  # noqa: BLE001 - sys.exit() in a reward must not end training
                 box["e"] = e
 
         if timeout_s is None:
@@ -273,7 +281,13 @@ class RewardSet:
                 return None
         if "e" in box:
             e = box["e"]
-            self._report(name, "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+            if isinstance(e, KeyboardInterrupt):  # the user's Ctrl-C (or a reward asking for one)
+                raise e
+            text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+            if "signal only works in main thread" in text:
+                text += ("(this reward sets signal handlers, e.g. math_verify's own timeouts; with a "
+                         "time budget it runs in a thread: give it timeout_s: null, or turn its timeouts off)\n")
+            self._report(name, text)
             return None
         try:
             return _validate(box.get("v"), n)

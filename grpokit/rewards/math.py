@@ -4,13 +4,16 @@
 
 Extraction (`_mathcore.extract_answer`): the boxed answers (`\\boxed{}`/`\\fbox{}`, nested braces),
 else the last explicit "answer is ..." / "Answer: ..." / "#### ...", else the last number of the
-final line. A hedge is wrong: several different boxed answers, or a candidate list ("3 or 4") in
-the final statement, unless the reference itself is a collection (then "or" reads as a list).
+final line. A hedge is wrong: several different boxed answers, a box and a later statement that
+disagree, or a candidate list ("3 or 4", "$3$, $4$") in the final statement, unless the reference
+itself is a collection (then "or" reads as a list). An ordered answer (tuple, point, interval)
+never equals a set.
 
 Equivalence is math-verify's (sympy underneath) after a light normalisation it lacks (unicode
 symbols, LaTeX thousands separators, "degrees"); an identical answer never leaves this process.
-Every other comparison runs in a checker process with a hard time limit (default 2 s for the
-whole completion), so `10^{10^{10^{10}}}` costs 2 s and returns False; a timeout scores 0, never
+Every other comparison runs in a checker process with a hard time limit (default 1.5 s for the
+whole completion: a timer inside the checker stops most overruns at 70% of it, the parent kills
+the process at 100%), so `10^{10^{10^{10}}}` returns False within 2 s; a timeout scores 0, never
 None, so a model cannot escape a bad score by producing pathological answers.
 
 `math_accuracy_alt` is the independent cross-checker (own extraction, sympy-only equivalence,
@@ -31,7 +34,7 @@ from ._mathcore import Extraction, extract_answer  # noqa: F401 - public helpers
 from ._workers import WorkerError, WorkerPool
 from .registry import register
 
-DEFAULT_TIMEOUT_S = 2.0
+DEFAULT_TIMEOUT_S = 1.5  # the issue's limit is 2 s; the rest is margin for the kill and a slow machine
 
 _pool: list[WorkerPool] = []
 _pool_lock = threading.Lock()
@@ -72,6 +75,32 @@ def _is_collection(ref: str) -> bool:
     return bool(re.search(r",(?!\d{3}(?!\d))", s) or "\\pm" in s or "\\cup" in s or _DISJ.search(ref))
 
 
+def _bracket_kind(ans: str) -> str | None:
+    """What brackets the whole answer: "set" for `\\{...\\}`; "ordered" for `(...)` / `[...]` with a
+    top-level comma (a tuple, a point, an interval); else None (a bare list `1, 2` is left to
+    math-verify, which reads it as a set)."""
+    s = core.squash(ans)
+    if s.startswith("\\{") and s.endswith("\\}"):
+        kind, inner = "set", s[2:-2]
+    elif s[:1] in "([" and s[-1:] in ")]":
+        kind, inner = "ordered", s[1:-1]
+    else:
+        return None
+    depth, top_comma = 0, False
+    for ch in inner:  # the outer brackets must hold the whole answer: not "(0,1)\\cup(2,3)"
+        depth += (ch in "([{") - (ch in ")]}")
+        if depth < 0:
+            return None
+        top_comma = top_comma or (ch == "," and depth == 0)
+    return kind if kind == "set" or top_comma else None
+
+
+def _set_vs_ordered(ans: str, ref: str) -> bool:
+    """math-verify lets a tuple equal a set (`(2,1)` = `\\{1,2\\}`, it sorts both); an ordered
+    answer never equals a set here, whichever side is which."""
+    return {_bracket_kind(ans), _bracket_kind(ref)} == {"set", "ordered"}
+
+
 def judge(completion: str, reference, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool | None:
     """True / False; None when the sample cannot be scored (no reference, checker unavailable).
     Never raises; returns within about `timeout_s`."""
@@ -98,6 +127,8 @@ def judge(completion: str, reference, *, timeout_s: float = DEFAULT_TIMEOUT_S) -
                 ans = _DISJ.sub(",", ans)
             if core.squash(ans) == core.squash(ref):
                 continue
+            if _set_vs_ordered(ans, ref):
+                return False
             ok = _check("verify", ans, ref, deadline)
             if not ok:
                 return ok

@@ -52,6 +52,23 @@ class RolloutEngine(Protocol):
                  generator: torch.Generator | None = None) -> RolloutBatch: ...
 
 
+class NonFiniteLogits(ValueError):
+    """The model's next-token logits held NaN or +inf (or a row had every token at -inf), so no
+    token can be drawn. The trainer's non-finite guard treats the step as bad (skipped, counted,
+    rolled back after `guard.max_consecutive_bad` in a row)."""
+
+
+def check_logits(logits: torch.Tensor) -> None:
+    """Raise NonFiniteLogits unless every row of `logits` [B, V] can be sampled from: no NaN, no
+    +inf, and at least one token above -inf (-inf alone is a masked token, which is fine). That is
+    exactly "the row's max is finite" (max propagates NaN), one cheap reduction per token."""
+    bad = ~torch.isfinite(logits.amax(-1))       # [B]
+    if bad.any():
+        raise NonFiniteLogits(
+            f"non-finite logits during sampling: {int(bad.sum())} of {len(bad)} rows have NaN/inf "
+            "next-token logits (the forward pass overflowed or the weights are not finite)")
+
+
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw one token per row. logits: [B, V] (raw). Returns (tokens [B], logprobs [B], resampled [B]).
@@ -62,7 +79,11 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     row samples from the same distribution with the top token excluded and renormalised; its
     recorded log-prob is log q(token) under that renormalised q, so an importance ratio built on it
     stays correct.
+
+    Raises NonFiniteLogits when a row has NaN/inf logits (torch.multinomial would fail on it, on a
+    GPU with a device-side assert).
     """
+    check_logits(logits)
     logits = logits.float()
     if params.temperature == 0:
         tok = logits.argmax(-1)

@@ -22,17 +22,33 @@ def build_rewards(cfg, *, run_dir=None):
 
 
 def build_health(cfg):
-    """The health monitor, with the thresholds that live elsewhere in the config filled in: the KL
-    controller's upper target for `kl_climbing`, the guard's tolerance for `ref_drift`."""
+    """The health monitor, with the thresholds that live elsewhere in the config filled in unless the
+    user set them: the KL controller's upper target for `kl_climbing.kl_high`, the guard's tolerance
+    for `ref_drift.tolerance`. Each field is checked on its own, so setting another field of the same
+    alarm (e.g. `health.kl_climbing.action=stop`) keeps the filled-in value."""
     from grpokit.monitor.health import HealthConfig, HealthMonitor
 
     h = cfg.health.model_dump()
-    set_by_user = cfg.health.model_fields_set
-    if cfg.algorithm.kl.beta > 0 and "kl_climbing" not in set_by_user:
-        h["kl_climbing"]["kl_high"] = cfg.algorithm.kl.target_high
-    if "ref_drift" not in set_by_user:
+    if "kl_high" not in cfg.health.kl_climbing.model_fields_set:
+        h["kl_climbing"]["kl_high"] = kl_target_high(cfg)
+    if "tolerance" not in cfg.health.ref_drift.model_fields_set:
         h["ref_drift"]["tolerance"] = cfg.guard.ref_tolerance
     return HealthMonitor(HealthConfig(**h), cfg.train.run_dir, print_fn=log.warning)
+
+
+def kl_target_high(cfg) -> float | None:
+    """The upper end of the KL controller's target: `high` of the adaptive controller, `target` of
+    Ziegler's; None for the others (fixed, warmup, schedule), which aim at no KL value, and when
+    beta = 0 (no reference)."""
+    from grpokit.algo.control import AdaptiveKL, ZieglerKL
+    from grpokit.train.loop import build_kl_controller
+
+    ctl = build_kl_controller(cfg)
+    if isinstance(ctl, AdaptiveKL):
+        return ctl.high
+    if isinstance(ctl, ZieglerKL):
+        return ctl.target
+    return None
 
 
 def build_trainer(cfg, *, model=None, tokenizer=None, health=True):

@@ -128,6 +128,39 @@ def _prune(root: Path, keep_last: int) -> None:
         stale.unlink(missing_ok=True)
 
 
+EARLIER_RUN_OUTPUT = ("metrics.jsonl", "guard.jsonl", "alarms.jsonl", "disagreements.jsonl", "samples",
+                      "checkpoints", "report.html", "tb")
+"""What a run writes into its run directory besides config.yaml: on a fresh start these belong to an
+earlier run and are moved aside (`set_aside_earlier_run`)."""
+
+
+def set_aside_earlier_run(run_dir: Path, earlier_config: str | None = None) -> Path | None:
+    """Move the output of an earlier run out of `run_dir` into `run_dir/previous/<UTC time>/`, so a
+    fresh run neither appends to its logs nor mixes its checkpoints with the earlier ones (a later
+    `--resume` would load them). Nothing is deleted. `earlier_config`: the earlier run's config.yaml
+    text (the new run has already written its own), kept beside its output. Returns the folder the
+    output went to, or None when there was none."""
+    import datetime as dt
+
+    run_dir = Path(run_dir)
+    found = [run_dir / name for name in EARLIER_RUN_OUTPUT if (run_dir / name).exists()]
+    if not found:
+        return None
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    dest = run_dir / "previous" / stamp
+    n = 1
+    while dest.exists():                          # two fresh starts within one second
+        dest = run_dir / "previous" / f"{stamp}-{n}"
+        n += 1
+    dest.mkdir(parents=True)
+    for path in found:
+        os.replace(path, dest / path.name)
+    if earlier_config is not None:
+        (dest / "config.yaml").write_text(earlier_config)
+    _fsync_dir(run_dir)
+    return dest
+
+
 def load_state(ckpt: Path) -> dict:
     return torch.load(Path(ckpt) / "trainer_state.pt", map_location="cpu", weights_only=False)
 

@@ -34,11 +34,12 @@ from grpokit.algo import kl as kl_lib
 from grpokit.algo import loss as loss_lib
 from grpokit.algo.control import build_controller
 from grpokit.config import Config, dump_config
+from grpokit.monitor.health import ALARMS_FILE
 from grpokit.monitor.sinks import MetricSink
 from grpokit.data.curriculum import Curriculum
 from grpokit.data.filters import ProxyRules, proxy_filter, zero_variance_groups
 from grpokit.data.rewrite import rewrite_sequences
-from grpokit.rollout.base import RolloutBatch, SamplingParams, concat_batches, select_rows
+from grpokit.rollout.base import NonFiniteLogits, RolloutBatch, SamplingParams, concat_batches, select_rows
 from grpokit.rollout.hf import HFEngine
 from grpokit.train import checkpoint as ckpt_lib
 from grpokit.train.dropout import hidden_dropout
@@ -141,6 +142,14 @@ class StepData:
     ref_logp: dict[int, torch.Tensor] = field(default_factory=dict)   # row -> [L_row]
     old_logp: dict[int, torch.Tensor] = field(default_factory=dict)
     rewrites: tuple[list[list[int]], list[list[int]]] | None = None   # (contexts, note targets)
+    rewards: torch.Tensor | None = None            # [N] the rewards behind the advantages (NaN = not scored)
+    frac_zero_std: float | None = None             # share of groups whose rewards are all equal
+
+
+def _diagnose(data: StepData, **found) -> str:
+    """The non-finite guard's cause for a skipped update, with the step's rewards and zero-std share
+    (the first two checks of the diagnosis order)."""
+    return diagnose(rewards=data.rewards, frac_zero_std=data.frac_zero_std, **found)
 
 
 @dataclass
@@ -204,7 +213,8 @@ class Trainer:
         self.step_idx = 0
         self.health = health
         self.sink = MetricSink(self.run_dir, tensorboard=cfg.train.tensorboard)
-        self.skipped_steps = 0
+        self.skipped_steps = 0           # steps none of whose updates reached the weights
+        self.skipped_minibatches = 0     # mini-batch updates (optimizer steps) the guard skipped
         self.rollbacks = 0
         self.consecutive_bad = 0
         self.bad_since_save = False
@@ -215,7 +225,11 @@ class Trainer:
         cur = cfg.data.curriculum
         self.curriculum = (Curriculum(start=cur.start, end=cur.end, ramp_steps=cur.ramp_steps, pool_factor=cur.pool_factor,
                                       ema=cur.ema, prior=cur.prior, prior_field=cur.prior_field) if cur.enabled else None)
-        (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+        self._last = None                # (rows, batch, rewards, advantages, scored) of the last step
+        config_file = self.run_dir / "config.yaml"
+        # an earlier run's config, kept with its output if this run starts fresh (`train`)
+        self._earlier_config = config_file.read_text() if config_file.is_file() else None
+        config_file.write_text(dump_config(cfg))
 
     # ------------------------------------------------------------------ phases
     def sample(self, rows: list[dict]) -> RolloutBatch:
@@ -319,7 +333,8 @@ class Trainer:
     def update(self, data: StepData, beta: float) -> dict:
         """mu passes over mini-batches. Losses are summed over the micro-batches of a mini-batch (they
         add up to the mini-batch loss) and averaged over mini-batches; per-token statistics are
-        token-weighted."""
+        token-weighted. A mini-batch whose loss or gradient is not finite is skipped alone, with its
+        cause in `self.bad_causes` (`_guard_after_update` counts it)."""
         cfg, a = self.cfg, self.cfg.algorithm
         N = len(data.rollout)
         need_kl_loss = beta > 0 and not a.kl.in_reward and self.reference is not None
@@ -358,9 +373,7 @@ class Trainer:
                     mini_loss["loss/rewrite"] = self._rewrite_step(data.rewrites)
                 for k, v in mini_loss.items():
                     losses.setdefault(k, []).append(v)
-                gn = self._optimizer_step(has_grad=bool(mbs) or "loss/rewrite" in mini_loss)
-                if not math.isfinite(gn):
-                    self.bad_causes.append(diagnose(ratio_max=ratio_max, grad_finite=False))
+                gn = self._optimizer_step(data, has_grad=bool(mbs) or "loss/rewrite" in mini_loss)
                 grad_norms.append(gn)
                 pads.append(padding_fraction(mbs) if mbs else 0.0)
         out = {k: float(np.mean(v)) for k, v in losses.items()}
@@ -404,7 +417,7 @@ class Trainer:
         adv = data.advantages[rows].to(dev, logp.dtype)
         if not torch.isfinite(valid).all():
             self._guard_seen = _NOTHING_SEEN
-            raise NonFiniteStep(diagnose(advantages=adv, logp_finite=False))
+            raise NonFiniteStep(_diagnose(data, advantages=adv, logp_finite=False))
         old = _stack(data.old_logp, rows, L, dev) if data.old_logp else logp.detach()
         kw = dict(eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip, max_len=self.cfg.rollout.max_new_tokens,
                   ratio_level=a.ratio_level, num_tokens=n_tok, num_seqs=n_seq)
@@ -428,7 +441,7 @@ class Trainer:
         if not torch.isfinite(total.detach()):
             lp_min = float(valid.min()) if valid.numel() else None
             self._guard_seen = _NOTHING_SEEN
-            raise NonFiniteStep(diagnose(advantages=adv, ratio_max=_num(st.get("ratio_max")), logp_min=lp_min))
+            raise NonFiniteStep(_diagnose(data, advantages=adv, ratio_max=_num(st.get("ratio_max")), logp_min=lp_min))
         # what the guard needs to name the cause if the gradient of this mini-batch overflows
         rm, lm = getattr(self, "_guard_seen", _NOTHING_SEEN)
         self._guard_seen = (max(rm, _num(st.get("ratio_max")) or 0.0),
@@ -448,7 +461,8 @@ class Trainer:
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
             self.scheduler.step()
 
-    def _optimizer_step(self, has_grad: bool) -> float:
+    def _optimizer_step(self, data: StepData, has_grad: bool) -> float:
+        """Clip and apply the accumulated gradient; NaN (and nothing applied) when it is not finite."""
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if not has_grad:
             self._advance_schedule()
@@ -461,7 +475,7 @@ class Trainer:
             # seed's order (a ratio overflow or extreme log-probs before the gradient itself)
             self.optimizer.zero_grad(set_to_none=True)
             self._advance_schedule()
-            self.bad_causes.append(diagnose(ratio_max=ratio_max, logp_min=logp_min, grad_finite=False))
+            self.bad_causes.append(_diagnose(data, ratio_max=ratio_max, logp_min=logp_min, grad_finite=False))
             return float("nan")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)   # gradients are not held through the next rollout
@@ -517,8 +531,11 @@ class Trainer:
     def step(self) -> dict:
         cfg, a, G = self.cfg, self.cfg.algorithm, self.cfg.rollout.group_size
         t_step = time.perf_counter()
-        self.bad_causes: list[str] = []
-        idx, batch, scored, timings = self.collect()
+        self.bad_causes: list[str] = []      # one per update the guard skips
+        try:
+            idx, batch, scored, timings = self.collect()
+        except NonFiniteLogits as exc:          # nothing to score or update: a bad step
+            return self._skip_rollout(str(exc), t_step)
         rows = [self.dataset[i] for i in idx]
         rewards = torch.tensor(scored.total, dtype=torch.float64)
         loss_mask = batch.completion_mask.clone()
@@ -547,12 +564,13 @@ class Trainer:
         mbs = self.micro_batches(batch, all_rows) if (self.reference is not None and beta > 0) else []
         if mbs:
             data.ref_logp = self.cached_ref_logprobs(batch, all_rows, mbs)
-        kl_seq = None
+        kl_in_reward = None
         if a.kl.in_reward and data.ref_logp:                 # KL in the reward: r <- r - beta * sum_t k1
             pol = self.logprobs_of(self.model, mbs)
             data.old_logp = pol
             kl_seq = torch.tensor([float((pol[i] - data.ref_logp[i]).sum()) for i in all_rows], dtype=torch.float64)
             rewards = rewards - beta * kl_seq
+            kl_in_reward = float(kl_seq.sum()) / max(1, sum(len(pol[i]) for i in all_rows))   # token mean of k1
         if cfg.rollout.resample_threshold is not None:
             # over-confidence resampling: pi_old is the distribution actually sampled from (q), so
             # the ratio pi_theta / q corrects for the intervention (docs/variants.md)
@@ -563,13 +581,15 @@ class Trainer:
 
         adv, adv_stats = self.advantages(rewards, batch)
         data.advantages = adv.float()
+        data.rewards, data.frac_zero_std = rewards, float(adv_stats.get("frac_zero_std", float("nan")))
         t = time.perf_counter()
         upd = self.update(data, beta)
         timings["time/update"] = time.perf_counter() - t
         drift = self.check_reference(batch)
-        self._guard_after_update()
-        observed_kl = upd.get("kl/ref", float(kl_seq.mean() / max(1.0, float(batch.lengths.float().mean())))
-                              if kl_seq is not None else 0.0)
+        self._guard_after_update(skipped=len(self.bad_causes))
+        if kl_in_reward is not None:       # no KL term in the loss: kl/ref is the reward's k1
+            upd["kl/ref"] = kl_in_reward
+        observed_kl = upd.get("kl/ref", 0.0)
         self.kl_ctl.step(observed_kl if math.isfinite(observed_kl) else 0.0)
         timings["time/step"] = time.perf_counter() - t_step
 
@@ -588,8 +608,7 @@ class Trainer:
             "filter/dropped": float(sum(d is not None for d in dropped)),
             "kl/beta": beta, "optim/lr": self.scheduler.get_last_lr()[0],
             "throughput/tokens_per_s": float(lengths.sum()) / max(timings["time/step"], 1e-9),
-            "guard/skipped_steps": float(self.skipped_steps), "guard/rollbacks": float(self.rollbacks),
-            "rollout/resampled": float(batch.resampled),
+            **self._guard_metrics(), "rollout/resampled": float(batch.resampled),
             **scored.metrics, **upd, **timings,
         }
         if self.ref_cache is not None and mbs:
@@ -607,19 +626,52 @@ class Trainer:
         first = scored.per_fn[self.cfg.rewards[0].name]
         return [v is not None and math.isfinite(v) and v >= self.cfg.algorithm.pass_threshold for v in first]
 
-    def _guard_after_update(self) -> None:
-        """Count skipped updates; after `guard.max_consecutive_bad` in a row, roll back."""
-        if not self.bad_causes:
+    def updates_per_step(self) -> int:
+        """Optimizer steps of one training step: mu passes over `mini_batches` mini-batches."""
+        return self.cfg.algorithm.mu * self.cfg.algorithm.mini_batches
+
+    def _guard_after_update(self, skipped: int) -> None:
+        """Count what the non-finite guard kept from the weights this step (`skipped` of the step's
+        `updates_per_step()` updates) and roll back after `guard.max_consecutive_bad` bad steps in a row.
+
+        A NaN in one mini-batch skips only that mini-batch's update: the others are sound and are
+        applied. So the counts are kept apart: `guard/skipped_minibatches` counts every skipped
+        update, `guard/skipped_steps` only the steps none of whose updates was applied. A step with
+        any skipped update is *bad* all the same: it counts toward the rollback (a NaN tends to come
+        back) and the next checkpoint is not marked healthy."""
+        if not skipped:
             self.consecutive_bad = 0
             return
-        self.skipped_steps += 1
+        n = self.updates_per_step()
+        self.skipped_minibatches += skipped
+        if skipped >= n:
+            self.skipped_steps += 1
         self.consecutive_bad += 1
         self.bad_since_save = True
         cause = self.bad_causes[0]
-        log.warning("step %d: update skipped by the non-finite guard: %s", self.step_idx + 1, cause)
-        self._event({"event": "skip", "step": self.step_idx + 1, "cause": cause})
+        what = "update skipped" if skipped >= n else f"{skipped} of {n} mini-batch updates skipped"
+        log.warning("step %d: %s by the non-finite guard: %s", self.step_idx + 1, what, cause)
+        self._event({"event": "skip", "step": self.step_idx + 1, "cause": cause,
+                     "updates_skipped": skipped, "updates": n})
         if self.consecutive_bad >= self.cfg.guard.max_consecutive_bad:
             self.rollback(cause)
+
+    def _skip_rollout(self, cause: str, t_step: float) -> dict:
+        """The step whose rollout met NaN/inf logits: a bad step with no update at all. The
+        learning-rate schedule still advances by the step's updates (it counts training steps)."""
+        n = self.updates_per_step()
+        for _ in range(n):
+            self._advance_schedule()
+        self.bad_causes = [cause]
+        self._guard_after_update(skipped=n)
+        self._last = None
+        return {"kl/beta": self.kl_ctl.beta, "optim/lr": self.scheduler.get_last_lr()[0], **self._guard_metrics(),
+                "time/step": time.perf_counter() - t_step, "memory/rss_mb": rss_mb()}
+
+    def _guard_metrics(self) -> dict[str, float]:
+        return {"guard/skipped_steps": float(self.skipped_steps),
+                "guard/skipped_minibatches": float(self.skipped_minibatches),
+                "guard/rollbacks": float(self.rollbacks)}
 
     def _event(self, row: dict) -> None:
         import json
@@ -666,8 +718,8 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
             "sampler": self.sampler.state_dict(), "gen": self.gen.get_state(),
             "torch_rng": torch.get_rng_state(), "np_rng": np.random.get_state(), "py_rng": random.getstate(),
-            "skipped_steps": self.skipped_steps, "rollbacks": self.rollbacks,
-            "ref_probe": self.ref_probe,
+            "skipped_steps": self.skipped_steps, "skipped_minibatches": self.skipped_minibatches,
+            "rollbacks": self.rollbacks, "ref_probe": self.ref_probe,
             "curriculum": self.curriculum.state_dict() if self.curriculum is not None else None,
             "health": self.health.state_dict() if self.health is not None else None,
         }
@@ -683,6 +735,7 @@ class Trainer:
         np.random.set_state(s["np_rng"])
         random.setstate(s["py_rng"])
         self.skipped_steps = s.get("skipped_steps", 0)
+        self.skipped_minibatches = s.get("skipped_minibatches", self.skipped_steps)
         self.rollbacks = s.get("rollbacks", 0)
         self.ref_probe = s.get("ref_probe")
         if self.curriculum is not None and s.get("curriculum"):
@@ -699,30 +752,57 @@ class Trainer:
         return path
 
     def resume(self) -> bool:
-        """Restore the latest complete checkpoint of run_dir; False when there is none."""
+        """Restore the latest complete checkpoint of run_dir and drop the rows its logs got after
+        that step (the steps will be redone, and logged once); False when there is none."""
         ck = ckpt_lib.latest_checkpoint(self.run_dir)
-        if ck is None:      # starting again from step 0: rows of an earlier attempt would repeat
-            self.sink.truncate_after(0)
-            for name in ("guard.jsonl", "alarms.jsonl"):
-                _truncate_jsonl(self.run_dir / name, 0)
+        if ck is None:
             return False
         ckpt_lib.load_weights(self.model, ck)
         self.load_state_dict(ckpt_lib.load_state(ck))
         self.sink.truncate_after(self.step_idx)
-        _truncate_jsonl(self.run_dir / "guard.jsonl", self.step_idx)
+        for name in ("guard.jsonl", ALARMS_FILE):
+            _truncate_jsonl(self.run_dir / name, self.step_idx)
         log.info("resumed from %s (step %d)", ck, self.step_idx)
         return True
+
+    def start_fresh(self) -> None:
+        """Begin a run that does not resume: an earlier run's output in run_dir is moved to
+        run_dir/previous/<UTC time>/ (never appended to, never deleted), then the step-0
+        checkpoint is saved and, with `train.eval_every: 0`, the baseline evaluation logged as step 0."""
+        self.sink.close()                # it may hold RUN_DIR/tb open, which moves too
+        moved = ckpt_lib.set_aside_earlier_run(self.run_dir, self._earlier_config)
+        self.sink = MetricSink(self.run_dir, tensorboard=self.cfg.train.tensorboard)
+        if moved is not None:
+            log.warning("%s held the output of an earlier run; moved it to %s", self.run_dir, moved)
+        if self.cfg.train.save_every:
+            self.save()                  # step 0: a healthy point to roll back to
+        if self.cfg.train.eval_every == 0 and self.eval_dataset is not None:
+            baseline = self.run_eval()   # held-out accuracy before training
+            if baseline:
+                self.sink.write(0, baseline)
+
+    def eval_due(self) -> bool:
+        """Held-out evaluation after this step: every `train.eval_every` steps and after the last."""
+        every = self.cfg.train.eval_every
+        return self.eval_dataset is not None and (
+            (every > 0 and self.step_idx % every == 0) or self.step_idx == self.cfg.train.steps)
 
     def run_eval(self) -> dict:
         if self.eval_dataset is None:
             return {}
         gen = torch.Generator(device=self.gen.device)   # its own stream: eval never shifts training's
         gen.manual_seed(self.cfg.train.seed * 1_000_003 + self.step_idx)
-        return evaluate(self.engine, self.encoder, self.rewards, self.eval_dataset, self.cfg,
-                        samples=self.cfg.train.eval_samples, generator=gen)
+        try:
+            return evaluate(self.engine, self.encoder, self.rewards, self.eval_dataset, self.cfg,
+                            samples=self.cfg.train.eval_samples, generator=gen)
+        except NonFiniteLogits as exc:   # the guard's business, not a reason to stop the run
+            log.warning("step %d: evaluation skipped: %s", self.step_idx, exc)
+            return {}
 
     def write_samples(self) -> None:
         import json
+        if self._last is None:           # the step's rollout was skipped by the guard
+            return
         rows, batch, rewards, adv, scored = self._last
         G = self.cfg.rollout.group_size
         d = self.run_dir / "samples"
@@ -739,13 +819,13 @@ class Trainer:
 
     def train(self, *, resume: bool = False, progress=None) -> dict:
         cfg = self.cfg
-        if not (resume and self.resume()) and cfg.train.save_every:
-            self.save()                      # step 0: a healthy point to roll back to
+        if not (resume and self.resume()):
+            self.start_fresh()
         last: dict = {}
         while self.step_idx < cfg.train.steps:
             metrics = self.step()
             self.step_idx += 1
-            if cfg.train.eval_every and self.step_idx % cfg.train.eval_every == 0:
+            if self.eval_due():
                 metrics.update(self.run_eval())
             self.sink.write(self.step_idx, metrics)
             if self.health is not None:

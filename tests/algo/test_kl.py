@@ -10,7 +10,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpokit.algo import kl
 from grpokit.algo.kl import KINDS, estimate, kl_in_reward
 
 T = torch.tensor

@@ -166,7 +166,7 @@ def test_report_renders_in_headless_chromium(run_dir, tmp_path):
     cmd = [
         _chromium(), "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}",
         "--window-size=1200,3000", "--disable-background-networking", "--disable-component-update",
-        "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}", report.resolve().as_uri(),
+        "--no-first-run", "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}", report.resolve().as_uri(),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert shot.is_file(), f"no screenshot; chromium exited {proc.returncode}: {proc.stderr[-2000:]}"
@@ -200,3 +200,22 @@ def test_sample_phases(tmp_path, n_files, phases):
     assert [p for p, _, _ in data.samples] == phases and data.n_sample_files == n_files
     assert data.samples[-1][1] == 10 * n_files  # the late phase is the last file
     assert all(len(rows) == 6 for _, _, rows in data.samples)
+
+
+def test_guard_events_are_listed_with_their_causes(tmp_path):
+    write_run_dir(tmp_path, healthy_history(8), sample_every=0)
+    events = [
+        {"event": "skip", "step": 3, "cause": "non-finite log-probs <NaN>", "updates_skipped": 1, "updates": 1},
+        {"event": "skip", "step": 4, "cause": "non-finite gradients", "updates_skipped": 1, "updates": 2},
+        {"event": "rollback", "step": 4, "to": "step_000002", "cause": "non-finite gradients", "lr_factor": 0.5},
+    ]
+    (tmp_path / "guard.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    page = write_report(tmp_path).read_text()
+    assert "2 step(s) with skipped updates, 1 rollback(s)" in page
+    assert "non-finite log-probs &lt;NaN&gt;" in page
+    assert "1 of 2 mini-batch updates skipped" in page and "rolled back to step_000002" in page
+
+
+def test_a_run_without_guard_events_says_so(tmp_path):
+    write_run_dir(tmp_path, healthy_history(4), sample_every=0)
+    assert "The non-finite guard skipped no update." in write_report(tmp_path).read_text()

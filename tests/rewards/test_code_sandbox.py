@@ -122,6 +122,74 @@ def test_forged_result_lines_on_stdout_do_not_count():
     assert (r.status, r.passed) == ("failed", 0)
 
 
+def test_values_of_builtin_types_are_compared_by_the_trainer():
+    prog = (
+        "from fractions import Fraction\n"
+        "def f(x):\n    return x\n"
+        "def big():\n    return 3 ** 200\n"
+        "def gen():\n    return (i * i for i in range(4))\n"
+        "def mixed():\n    return {'a': (1, 2.5, None), 'b': {1, 2}, 'c': b'xy', 'd': frozenset([3]), 'e': 1 + 2j}\n"
+        "class Solution:\n    def two_sum(self, nums, target):\n        return [0, 1]\n"
+    )
+    tests = (
+        "import math\n"
+        "assert big() == 3 ** 200\n"
+        "assert f(Fraction(1, 2)) == 0.5\n"  # stdlib Fraction travels as a fraction
+        "assert list(gen()) == [0, 1, 4, 9]\n"  # a generator is iterated in the sandbox, sent as a list
+        "assert mixed() == {'a': (1, 2.5, None), 'b': {1, 2}, 'c': b'xy', 'd': frozenset([3]), 'e': 1 + 2j}\n"
+        "assert f((1, 2)) != [1, 2]\n"  # a tuple stays a tuple
+        "assert f(float('nan')) != f(float('nan'))\n"
+        "assert abs(f(0.1 + 0.2) - 0.3) < 1e-9 and math.isclose(f(2.0), 2.0000001, rel_tol=1e-6)\n"
+        "assert sorted(f([3, 1, 2])) == [1, 2, 3] and len(f('abc')) == 3 and type(f([])) is list\n"
+        "assert f(None) is None and 0 < f(5) <= 5 and f(3) in (1, 2, 3)\n"
+        "sol = Solution()\n"
+        "assert sol.two_sum([2, 7], 9) == [0, 1]\n"
+    )
+    r = run_tests(prog, tests, timeout_s=5)
+    assert (r.status, r.passed, r.total, r.untrusted) == ("ok", 10, 10, 0), r.detail
+
+
+def test_a_value_that_is_not_plain_data_fails_with_a_reason():
+    r = run_tests("class P:\n    pass\ndef f():\n    return P()\n", "assert f() == 1\nassert f() is not None\n", timeout_s=2)
+    assert (r.status, r.passed) == ("failed", 0)
+    assert "not plain data" in r.detail
+
+
+def test_humaneval_check_is_inlined_and_its_expected_values_stay_in_the_trainer():
+    from grpokit.rewards._testplan import plan_tests
+
+    tests = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert abs(candidate(0.5, 0.25) - 0.75) < 1e-6\ncheck(add)\n"
+    plan = plan_tests(tests)
+    assert plan.steps == [["eval", 0, ["add(2, 3)", "add(0.5, 0.25)"]]]  # no `def check`: no 5, no 0.75
+    assert (plan.total, plan.untrusted) == (1, 0)
+    assert run_tests(ADD, tests, timeout_s=2).status == "ok"
+    assert run_tests("def add(a, b):\n    return a * b\n", tests, timeout_s=2).status == "failed"
+
+
+def test_untrusted_tests_are_counted_and_trusted_only_scores_them_zero():
+    # a loop inside check() cannot be split: its verdict comes from the sandbox (forgeable)
+    tests = "def check(f):\n    for i in range(3):\n        assert f(i, 1) == i + 1\ncheck(add)\nassert add(1, 1) == 2\n"
+    r = run_tests(ADD, tests, timeout_s=2)
+    assert (r.status, r.passed, r.total, r.untrusted, r.untrusted_passed) == ("ok", 2, 2, 1, 1)
+    fn = REGISTRY["code_tests"]
+    comp = "```python\n" + ADD + "```"
+    assert fn(["p"], [comp], timeout_s=2, tests=[tests]) == [1.0]
+    assert fn(["p"], [comp], timeout_s=2, trusted_only=True, tests=[tests]) == [0.5]
+    assert fn(["p"], [comp], timeout_s=2, trusted_only=True, all_or_nothing=True, tests=[tests]) == [0.0]
+
+
+def test_each_stdin_stdout_case_runs_in_a_fresh_process():
+    prog = "import builtins\nbuiltins.seen = getattr(builtins, 'seen', 0) + 1\nprint(builtins.seen)\n"
+    r = run_tests(prog, [{"input": "", "output": "1"}] * 3, timeout_s=2)
+    assert (r.status, r.passed) == ("ok", 3)  # no state carried over from the previous case
+    r = run_tests("import sys\nprint(sys.stdin.read().upper())\nsys.exit(0)\n", [{"input": "abc\ndef", "output": "ABC DEF"}], timeout_s=2)
+    assert r.status == "ok"
+    r = run_tests("print('partial')\nraise SystemExit(3)\n", [{"input": "", "output": "partial"}], timeout_s=2)
+    assert (r.status, r.passed) == ("failed", 0)  # a non-zero exit fails even with the right output
+    r = run_tests("print('x' * 5000)", [{"input": "", "output": "x" * 5000}], timeout_s=2, output_cap=1000)
+    assert (r.status, r.passed) == ("failed", 0)  # more than output_cap: over the limit
+
+
 def test_extract_code_takes_the_last_python_block():
     text = "Plan:\n```text\nnot code\n```\n```python\nx = 1\n```\nbetter:\n```py\nx = 2\n```\n"
     assert extract_code(text) == "x = 2\n"
@@ -409,6 +477,160 @@ def test_trainer_process_is_unharmed():
     run_tests_batch(["import os\nos.chdir('/')\nos.environ.clear()", "while True: pass"], ["assert True"] * 2, timeout_s=1.0)
     assert os.getcwd() == cwd and dict(os.environ) == env
     assert {s: signal.getsignal(s) for s in handlers} == handlers
+
+
+# --------------------------------------------------------------------------- forged results
+# The trainer decides every verdict it can: the sandboxed process only sends data (values,
+# captured stdout). Each program below gets a pass with the old in-process verdicts.
+
+_FORGE = (
+    "import json, os\n"
+    "lines = [json.dumps({'ev': 'test', 'i': i, 'ok': True}) for i in range(8)]\n"
+    "lines += [json.dumps({'u': i, 'ok': True}) for i in range(8)] + [json.dumps({'u': i, 'v': [True]}) for i in range(8)]\n"
+    "lines += [json.dumps({'u': i, 'out': 'YES', 'rc': 0, 'over': False}) for i in range(8)]\n"
+    "lines += [json.dumps({'ev': 'done', 'status': 'ok'}), json.dumps({'ev': 'done', 'status': 'ran'})]\n"
+    "data = ('\\n'.join(lines) + '\\n').encode()\n"
+    "for fd in range(3, 64):\n"
+    "    try:\n        os.write(fd, data)\n    except OSError:\n        pass\n"
+    "os._exit(0)\n"
+)
+_ANY = (
+    "class Any:\n"
+    "    def __eq__(self, other): return True\n"
+    "    def __ne__(self, other): return False\n"
+    "    def __lt__(self, other): return True\n"
+    "    def __sub__(self, other): return self\n"
+    "    def __abs__(self): return self\n"
+    "    def __bool__(self): return True\n"
+    "    def __contains__(self, x): return True\n"
+    "    __hash__ = object.__hash__\n"
+)
+_IO_CASES = [{"input": "3 4\n", "output": "12\n"}, {"input": "5 6\n", "output": "30\n"}, {"input": "1 1\n", "output": "1\n"}]
+_ASSERTS = "assert add(1, 2) == 3\nassert add(2, 2) == 4\nassert add(0, 5) == 5\n"
+_CHECK = "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(2, 2) == 4\ncheck(add)\nassert add(0, 5) == 5\n"
+
+
+def _assert_forgery_fails(prog, tests, limit_s=6.0, **kw):
+    """No pass it did not earn (passed 0, status not ok), in bounded time, and the reward < 1."""
+    t0 = time.monotonic()
+    r = run_tests(prog, tests, timeout_s=3.0, **kw)
+    _assert_contained(r, t0, limit_s)
+    fn = REGISTRY["code_tests"]
+    comp = "```python\n" + prog + "```"
+    assert fn(["p"], [comp], timeout_s=3.0, tests=[tests]) == [0.0]
+    assert fn(["p"], [comp], timeout_s=3.0, all_or_nothing=True, tests=[tests]) == [0.0]
+    return r
+
+
+@pytest.mark.parametrize("tests", [_ASSERTS, _CHECK, _IO_CASES], ids=["asserts", "humaneval-check", "stdin-stdout"])
+def test_hostile_forges_result_lines_on_every_fd_and_exits(tests):
+    _assert_forgery_fails(_FORGE, tests)
+
+
+@pytest.mark.parametrize("tests", [_ASSERTS, _CHECK, _IO_CASES], ids=["asserts", "humaneval-check", "stdin-stdout"])
+def test_hostile_forges_results_then_raises_system_exit_at_import(tests):
+    _assert_forgery_fails(_FORGE.replace("os._exit(0)", "raise SystemExit(0)"), tests)
+
+
+def test_hostile_system_exit_at_import():
+    r = _assert_forgery_fails("raise SystemExit(0)\n", _ASSERTS)
+    assert r.status == "crashed"
+    _assert_forgery_fails("raise SystemExit(0)\n", _IO_CASES)  # a clean exit that prints nothing
+
+
+def test_hostile_replaces_exec_eval_compile_and_print():
+    prog = (
+        "import builtins, json\n"
+        "builtins.exec = lambda *a, **k: None\nbuiltins.eval = lambda *a, **k: True\n"
+        "builtins.compile = lambda *a, **k: None\nbuiltins.print = lambda *a, **k: None\n"
+        "json.dumps = lambda *a, **k: '{\"u\": 0, \"ok\": true}'\n"
+    )
+    _assert_forgery_fails(prog, _ASSERTS)
+    _assert_forgery_fails(prog, _CHECK)
+
+
+def test_hostile_patches_import_and_sys_modules():
+    prog = (
+        "import builtins, sys, types\n"
+        "fake = types.ModuleType('json')\nfake.dumps = lambda *a, **k: '{\"ev\": \"test\", \"i\": 0, \"ok\": true}'\n"
+        "fake.loads = lambda *a, **k: {}\n"
+        "real_import = builtins.__import__\n"
+        "builtins.__import__ = lambda name, *a, **k: fake if name == 'json' else real_import(name, *a, **k)\n"
+        "sys.modules['json'] = fake\nsys.modules['ast'] = fake\n"
+        "def add(a, b):\n    return None\n"
+    )
+    _assert_forgery_fails(prog, _ASSERTS)
+
+
+@pytest.mark.parametrize("tests", [
+    "assert 3 == add(1, 2)",
+    "assert add(1, 2) in [3]",
+    "a = add(1, 2)\nb = add(2, 2)\nassert a == 3 and b == 4",
+    "x = add(1, 2)\nassert not (x != 3)",
+    "assert abs(add(1, 2) - 3) < 1e-6",
+    "assert add(1, 2) == 3",
+    "import math\nassert math.isclose(add(1, 2), 3)",
+    "def check(candidate):\n    assert candidate(1, 2) == 3\ncheck(add)",
+], ids=["reversed", "in", "and", "not-ne", "abs-tolerance", "eq", "isclose", "check"])
+def test_hostile_always_equal_variants(tests):
+    _assert_forgery_fails(_ANY + "def add(a, b):\n    return Any()\n", tests)
+
+
+def test_hostile_always_equal_subclass_of_int():
+    prog = "class Int(int):\n    def __eq__(self, other): return True\n    __hash__ = int.__hash__\ndef add(a, b):\n    return Int(0)\n"
+    _assert_forgery_fails(prog, _ASSERTS)
+
+
+def test_hostile_reads_expected_values_from_the_harness_memory():
+    # the parent never sends them: the assert's constants, check()'s body, the expected stdout
+    prog = (
+        "import gc, re\n"
+        "def _find(pattern):\n"
+        "    for o in gc.get_objects():\n"
+        "        if isinstance(o, dict):\n"
+        "            for v in list(o.values()):\n"
+        "                if isinstance(v, str) and re.search(pattern, v):\n"
+        "                    return re.search(pattern, v).group(1)\n"
+        "def add(a, b):\n"
+        "    found = _find(r'\\(%d, %d\\) == (-?\\d+)' % (a, b))\n"
+        "    return int(found) if found else None\n"
+    )
+    _assert_forgery_fails(prog, _ASSERTS)
+    _assert_forgery_fails(prog, _CHECK)
+    io_prog = (
+        "import gc, sys\ntext = sys.stdin.read()\n"
+        "for o in gc.get_objects():\n"
+        "    if isinstance(o, dict) and isinstance(o.get('tests'), list):\n"
+        "        for case in o['tests']:\n"
+        "            if isinstance(case, dict) and case.get('input') == text:\n"
+        "                print(case['output'])\n"
+        "print('?')\n"
+    )
+    _assert_forgery_fails(io_prog, _IO_CASES)
+
+
+@pytest.mark.parametrize("prog,tests", [
+    ("def f():\n    return {k * (2**61 - 1) for k in range(1, 3000)}\n", "assert f() == {1}"),  # one hash for all
+    ("def f():\n    return {k * (2**61 - 1): 0 for k in range(1, 3000)}\n", "assert f() == {1: 0}"),
+    ("def f():\n    return [k * (2**61 - 1) for k in range(1, 3000)]\n", "assert set(f()) == {1}"),
+    ("from fractions import Fraction\ndef f():\n    return [Fraction(1, p) for p in range(10**6, 10**6 + 20000)]\n",
+     "assert sum(f()) == 1"),  # the running sum's denominator grows at every step
+    ("def f():\n    return 3 ** 100000\n", "assert f() ** 1000 == 1\nassert f() << 10**9 == 1\nassert pow(f(), f(), 7) == 1"),
+    ("def f():\n    return [0] * 10**7\n", "assert len(f()) == 10**7"),  # too large to send
+], ids=["set", "dict", "set-call", "fraction-sum", "powers", "huge-list"])
+def test_hostile_values_that_are_expensive_for_the_trainer(prog, tests):
+    # the trainer computes on values the program chose: every operation is bounded
+    _assert_forgery_fails(prog, tests, limit_s=6.0)
+
+
+def test_hostile_prints_an_output_pattern_without_solving():
+    cases = [{"input": "4\n", "output": "YES\n"}, {"input": "7\n", "output": "NO\n"}, {"input": "9\n", "output": "NO\n"}]
+    t0 = time.monotonic()
+    r = run_tests("print('YES')\n", cases, timeout_s=3.0)  # the right answer for one case only
+    assert (r.status, r.passed, r.total) == ("failed", 1, 3) and time.monotonic() - t0 < 6.0
+    assert REGISTRY["code_tests"](["p"], ["```python\nprint('YES')\n```"], timeout_s=3.0, tests=[cases])[0] < 1.0
+    # all the answers at once, every token the pattern could need: the token count gives it away
+    _assert_forgery_fails("print('YES NO')\nprint(12, 30, 1)\n", _IO_CASES)
 
 
 # --------------------------------------------------------------------------- fallbacks

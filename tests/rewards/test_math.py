@@ -48,6 +48,17 @@ CASES = [
     ("Answer: \u22125", "-5", T, "unicode minus"),
     ("Answer: \u2212\u00bd", "-0.5", T, "unicode minus and vulgar half"),
     ("The answer is: 8 apples", "8", T, "units after the number in words ('8 apples' parses to 8)"),
+    ("The answer is 15. I hope that helps with $99$ other things.", "15", T, "a math span in a later sentence is not the answer"),
+    ("We can add or subtract the equations. The answer is 3.", "3", T, "'or' in prose before the statement is not a hedge"),
+    ("Either way, we get 3", "3", T, "'Either' in prose on the final line, one number"),
+    ("The answer is $5$ in either case.", "5", T, "'either' in the statement with a single value"),
+    ("The answer is 3. Either way, it works.", "3", T, "'Either way' in the next sentence is prose"),
+    ("The answer is $x = 3$, since $3^2 = 9$.", "3", T, "a justifying span after a comma is not a candidate list"),
+    ("The divisors are 1, 2, 4 so the sum is 7", "7", T, "a list earlier in the final line is not a hedge"),
+    (r"\boxed{3}. Final answer: 3", "3", T, "box and a later statement agree"),
+    (r"The answer is \boxed{3}", "3", T, "a statement that holds the box"),
+    (r"\boxed{\frac12}. Final answer: 0.5", "1/2", T, "box and later statement agree up to equivalence"),
+    ("\\boxed{3}\n\nThe answer is correct because it checks out.", "3", T, "prose 'answer is' after the box is not a second answer"),
     # ---- extraction: last number of the final line
     ("3 + 4 = 7\nso we have 7", "7", T, "last number of the final line"),
     ("We compute 2*3.\nThe result is 6", "6", T, "no marker, final line has the answer"),
@@ -103,6 +114,8 @@ CASES = [
     (r"\boxed{2, 1}", "1, 2", T, "bare list read as a set"),
     (r"\boxed{1 \text{ or } 2}", "1, 2", T, "'or' list when the reference is a collection"),
     (r"\boxed{x = 2 \text{ or } x = -2}", r"-2, 2", T, "roots joined by 'or' vs root list"),
+    ("The answer is $x = 2$ or $x = -2$.", "-2, 2", T, "math spans joined by 'or' vs root list"),
+    (r"The answer is $\{1, 2\}$.", r"\{2,1\}", T, "set against set"),
     (r"\boxed{[0, 1) \cup (1, 2]}", r"[0,1)\cup(1,2]", T, "union of intervals"),
     (r"\boxed{\begin{pmatrix}1\\2\end{pmatrix}}", r"\begin{pmatrix}1\\2\end{pmatrix}", T, "matrix"),
     # ---- false: wrong values
@@ -145,6 +158,9 @@ CASES = [
     (r"\boxed{\{1,2\}}", r"\{1,2,3\}", F, "missing set element"),
     (r"\boxed{1, 2, 3}", "1, 2", F, "extra list element"),
     (r"\boxed{(1,2,3)}", "(1,2)", F, "tuple length"),
+    (r"\boxed{(2,1)}", r"\{1,2\}", F, "a tuple is not a set (math-verify sorts both)"),
+    (r"\boxed{(1,2)}", r"\{1,2\}", F, "an ordered pair is not a set, even in set order"),
+    (r"\boxed{\{1,2\}}", "(1,2)", F, "a set is not an ordered pair"),
     # ---- false: hedging
     (r"It is \boxed{3} or maybe \boxed{4}", "3", F, "two different boxed answers: hedge"),
     (r"\boxed{4} ... no wait \boxed{3}", "3", F, "hedge even when the last box is right"),
@@ -155,6 +171,22 @@ CASES = [
     ("It could be 3, or 4", "4", F, "final line lists candidates (last-number fallback)"),
     (r"\boxed{3, 4}", "3", F, "a list is not the single answer"),
     ("The answer is 1, 2, 3, 4, 5, 6", "4", F, "candidate list without 'or'"),
+    ("The answer is $3$ or $4$.", "3", F, "'or' between math spans (the hedge is read before cleaning)"),
+    ("Answer: $3$ or $4$", "3", F, "'Answer:' with math spans joined by 'or'"),
+    ("**Final Answer:** $3$ or $4$", "3", F, "bold 'Final Answer:' with math spans joined by 'or'"),
+    ("The answer is either $3$ or $4$.", "4", F, "'either ... or' between math spans"),
+    ("The answer is $3$ (or $4$ if rounding).", "3", F, "an alternative in parentheses"),
+    ("Answer: $3$, $4$", "3", F, "math spans listed with a comma"),
+    ("Answer: $3$ and $4$", "4", F, "math spans listed with 'and'"),
+    ("The answer is 3, 4.", "3", F, "plain two-candidate list after 'answer is'"),
+    ("The answer is 3. Or 4.", "3", F, "an 'Or ...' sentence right after the statement"),
+    ("So it is 3 or 4", "3", F, "'3 or 4' in the final line, first candidate right"),
+    ("So it is 3 or 4", "4", F, "'3 or 4' in the final line, last candidate right"),
+    ("It is $3$ or possibly $4$", "4", F, "'or possibly' in the final line"),
+    ("The candidates are 3, 4", "4", F, "the final line ends in a comma list (last-number fallback)"),
+    (r"\boxed{3}. Final answer: 4", "3", F, "box and a later statement disagree (box right)"),
+    (r"\boxed{3}. Final answer: 4", "4", F, "box and a later statement disagree (statement right)"),
+    (r"\boxed{3}. Final answer: $3$ or $4$", "3", F, "the statement after the box hedges"),
     # ---- false: extraction failures and junk
     ("", "5", F, "empty completion"),
     ("I don't know.", "5", F, "no answer at all"),
@@ -189,12 +221,32 @@ def test_table_is_large_and_balanced():
 
 
 def test_pathological_input_returns_false_within_two_seconds():
-    verify(r"\boxed{1}", "1")  # the checker processes are up (startup is not part of the limit)
     for bomb in (r"\boxed{10^{10^{10^{10}}}}", r"\boxed{9^{9^{9^{9^{9}}}}}", r"\boxed{(10^{10^{8}})!}"):
+        # a checker process is up and idle (its start-up is not part of the limit); 1.0 vs 1 is
+        # not identical text, so it really goes to a checker
+        assert verify(r"\boxed{1.0}", "1") is True
         t0 = time.monotonic()
         assert verify(bomb, "7") is False
-        assert time.monotonic() - t0 < 2.5, bomb
-    assert verify(r"\boxed{2}", "2") is True  # and the pool recovered
+        assert time.monotonic() - t0 < 2.0, bomb
+    assert verify(r"\boxed{2.0}", "2") is True  # and the pool recovered
+
+
+def test_a_checker_stuck_in_c_code_is_killed_within_two_seconds(monkeypatch, tmp_path):
+    """The worst case: the checker ignores its own timer (as in C code), so the parent must kill
+    it. The default budget leaves margin for the kill under the issue's 2 s."""
+    from grpokit.rewards import math as M
+    from grpokit.rewards._workers import WorkerPool
+
+    stuck = tmp_path / "stuck_checker.py"
+    stuck.write_text("import sys, time\nprint('ready', flush=True)\nfor line in sys.stdin:\n    time.sleep(3600)\n")
+    pool = WorkerPool(str(stuck), size=1)
+    monkeypatch.setattr(M, "_pool", [pool])
+    try:
+        t0 = time.monotonic()  # (the stub itself starts in milliseconds)
+        assert verify(r"\boxed{2.0}", "2") is False  # a timeout scores 0
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        pool.close()
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -216,6 +268,9 @@ def test_extraction_sources():
     assert extract_answer("so 3 then 4").source == "last_number"
     assert extract_answer("no numbers here").source == "none"
     assert extract_answer("The answer is 3 or 4").hedged
+    assert extract_answer("Answer: $3$ or $4$").hedged  # seen in the raw statement, not in "3"
+    assert extract_answer(r"\boxed{3}. Final answer: 4").answers == ("3", "4")
+    assert extract_answer(r"The answer is \boxed{3}").answers == ("3",)
 
 
 def test_reward_batch_and_none_for_missing_reference():

@@ -173,6 +173,66 @@ def test_slow_reward_hits_its_budget(temp_rewards, caplog):
     assert "time budget" in caplog.text and "time.sleep" in caplog.text  # where it was stuck
 
 
+@pytest.mark.parametrize("timeout_s", [None, 5.0], ids=["no-budget", "budget"])
+def test_sys_exit_in_a_reward_is_contained(temp_rewards, caplog, timeout_s):
+    # without a budget the reward runs in the caller's thread, where SystemExit would end training
+    temp_rewards("t_exit", lambda p, c, **k: sys.exit(3))
+    rs = RewardSet.from_specs([{"name": "t_exit", "timeout_s": timeout_s}, {"name": "exact_match"}])
+    with caplog.at_level(logging.DEBUG, logger="grpokit.rewards"):
+        for _ in range(2):
+            out = rs.score(["q", "q"], ["4", "5"], cols(2))
+            assert out.per_fn["t_exit"] == [None, None] and out.per_fn["exact_match"] == [1.0, 0.0]
+            assert out.metrics["reward/t_exit/errors"] == 2.0
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "SystemExit: 3" in errors[0].getMessage()  # the traceback, once
+    assert rs.error_counts["t_exit"] == 2
+
+
+def test_keyboard_interrupt_in_a_reward_still_stops(temp_rewards):
+    def interrupted(prompts, completions, **columns):
+        raise KeyboardInterrupt
+
+    temp_rewards("t_ctrl_c", interrupted)
+    for timeout_s in (None, 5.0):
+        rs = RewardSet.from_specs([{"name": "t_ctrl_c", "timeout_s": timeout_s}])
+        with pytest.raises(KeyboardInterrupt):
+            rs.score(["q"], ["4"], cols(1))
+
+
+def test_rewards_have_a_time_budget_by_default(temp_rewards):
+    from grpokit.config import CrossCheckConfig, RewardSpecConfig, load_config
+    from grpokit.rewards.compose import DEFAULT_TIMEOUT_S
+
+    assert DEFAULT_TIMEOUT_S == 300.0
+    assert RewardSpec(name="x").timeout_s == DEFAULT_TIMEOUT_S
+    assert RewardSpecConfig(name="x").timeout_s == DEFAULT_TIMEOUT_S  # the config says the same
+    assert CrossCheck(primary="x", checker="y").timeout_s == DEFAULT_TIMEOUT_S
+    assert CrossCheckConfig(primary="x").timeout_s == DEFAULT_TIMEOUT_S
+    # a reward from the config, with no timeout_s given, runs under the default budget ...
+    cfg = load_config(None, ["rewards=[{name: exact_match}]"])
+    rs = RewardSet.from_specs([r.model_dump() for r in cfg.rewards])
+    assert rs.specs[0].timeout_s == DEFAULT_TIMEOUT_S
+    # ... and `timeout_s: null` still turns the budget off
+    cfg = load_config(None, ["rewards=[{name: exact_match, timeout_s: null}]"])
+    assert RewardSet.from_specs([r.model_dump() for r in cfg.rewards]).specs[0].timeout_s is None
+
+
+def test_a_reward_that_needs_the_main_thread_can_opt_out_of_the_budget(temp_rewards, caplog):
+    import signal
+
+    def with_alarm(prompts, completions, **columns):  # as math_verify's own timeouts do
+        old = signal.signal(signal.SIGALRM, signal.SIG_IGN)
+        signal.signal(signal.SIGALRM, old)
+        return [1.0] * len(completions)
+
+    temp_rewards("t_alarm", with_alarm)
+    with caplog.at_level(logging.ERROR, logger="grpokit.rewards"):
+        out = RewardSet.from_specs([{"name": "t_alarm"}]).score(["q"], ["a"], cols(1))
+    assert out.per_fn["t_alarm"] == [None] and "timeout_s: null" in caplog.text  # the log says what to do
+    out = RewardSet.from_specs([{"name": "t_alarm", "timeout_s": None}]).score(["q"], ["a"], cols(1))
+    assert out.per_fn["t_alarm"] == [1.0]
+
+
 @pytest.mark.parametrize("bad", [[1.0], "1.0", [1.0, "x"], [1.0, float("inf")], None, 3.0])
 def test_malformed_return_values_are_errors(temp_rewards, bad):
     temp_rewards("t_bad", lambda p, c, **k: bad)
@@ -244,6 +304,35 @@ def test_crosscheck_checker_failure_is_contained():
     rs = RewardSet.from_specs([{"name": "exact_match"}], crosscheck={"primary": "exact_match", "checker": broken, "fraction": 1.0})
     out = rs.score(["q"], ["4"], cols(1))
     assert out.metrics["reward/checker/errors"] == 1.0 and out.total == [1.0]
+
+
+def test_crosscheck_tol_and_timeout_from_config_reach_the_checker(temp_rewards, tmp_path):
+    from grpokit.config import load_config
+    from grpokit.train import build_rewards
+
+    # exact_match pays 1.0 for "4"; this checker pays 0.7 for it and sleeps on "slow"
+    def close_judge(prompts, completions, **columns):
+        if "slow" in completions:
+            time.sleep(3)
+        return [0.7] * len(completions)
+
+    temp_rewards("t_close_judge", close_judge)
+    run = tmp_path / "run.yaml"
+    run.write_text("rewards: [{name: exact_match}]\n"
+                   "crosscheck: {primary: exact_match, checker: t_close_judge, fraction: 1.0, tol: 0.5}\n")
+    cfg = load_config(str(run), ["crosscheck.timeout_s=0.2"])
+    assert (cfg.crosscheck.tol, cfg.crosscheck.timeout_s) == (0.5, 0.2)
+    rs = build_rewards(cfg, run_dir=tmp_path)
+    assert (rs.crosscheck.tol, rs.crosscheck.timeout_s) == (0.5, 0.2)
+    out = rs.score(["q"], ["4"], cols(1))
+    assert out.metrics["reward/checker_checked"] == 1.0
+    assert out.metrics["reward/checker_disagreement"] == 0.0  # |1.0 - 0.7| <= tol 0.5
+    t0 = time.monotonic()
+    out = rs.score(["q"], ["slow"], cols(1))
+    assert time.monotonic() - t0 < 1.5 and out.metrics["reward/checker/errors"] == 1.0  # over its budget
+    # with the default tol the same scores disagree
+    strict = build_rewards(load_config(str(run), ["crosscheck.tol=1e-6"]), run_dir=tmp_path)
+    assert strict.score(["q"], ["4"], cols(1)).metrics["reward/checker_disagreement"] == 1.0
 
 
 def test_math_crosscheck_with_builtin_independent_checker(tmp_path):

@@ -15,6 +15,7 @@ import torch
 
 from grpokit import rewards
 from grpokit.config import load_config
+from grpokit.rollout.base import NonFiniteLogits, SamplingParams, sample_next
 from grpokit.train import build_trainer
 from grpokit.train import checkpoint as ckpt_lib
 from grpokit.train.guard import ReferenceDriftError, diagnose
@@ -29,6 +30,12 @@ if "test_flaky" not in rewards.REGISTRY:
             raise RuntimeError("reward service unavailable")
         return [float(sum(ch.isdigit() for ch in c) % 3) for c in completions]
     _flaky.calls = 0
+
+if "test_half_none" not in rewards.REGISTRY:
+    @rewards.register("test_half_none")
+    def _half_none(prompts, completions, **columns):
+        """Every other completion cannot be scored (None: its total reward is NaN)."""
+        return [None if i % 2 else float(sum(ch.isdigit() for ch in c) % 3) for i, c in enumerate(completions)]
 
 if "test_constant" not in rewards.REGISTRY:
     @rewards.register("test_constant")
@@ -87,6 +94,19 @@ def test_diagnosis_follows_the_order_cheapest_cause_first():
     assert "extreme log-probs" in diagnose(logp_min=-1e9, grad_finite=False)
     assert "gradients" in diagnose(logp_min=-3.0, grad_finite=False)
     assert "not identified" in diagnose(advantages=torch.tensor([1.0]), ratio_max=1.0, logp_min=-3.0)
+
+
+def test_diagnosis_reports_unscored_rewards_and_zero_std_groups_as_context():
+    """With finite advantages, NaN rewards and zero-std groups (both given advantage 0) cannot be the
+    cause, but the cause line still says they were there."""
+    nan = float("nan")
+    line = diagnose(rewards=torch.tensor([1.0, nan, nan]), advantages=torch.tensor([0.0, 0.0, 1.0]),
+                    frac_zero_std=0.5, logp_finite=False)
+    assert line.startswith("non-finite log-probs")
+    assert "2 reward(s) not finite" in line and "50% of groups have zero std" in line
+    assert diagnose(rewards=torch.tensor([1.0]), frac_zero_std=0.0, grad_finite=False) == \
+        "non-finite gradients (overflow in backward)"
+    assert "zero std" not in diagnose(frac_zero_std=nan, grad_finite=False)
 
 
 # ---------------------------------------------------------------------------------------- skip
@@ -168,6 +188,76 @@ def test_zero_std_groups_give_advantage_exactly_zero(setup, adv_eps):
     assert all(r["group/frac_zero_std"] == 1.0 and r["guard/skipped_steps"] == 0 for r in rows)
     assert all(torch.isfinite(torch.tensor(r["loss/total"])) for r in rows)
     assert not (tr.run_dir / "guard.jsonl").exists()
+
+
+@pytest.mark.parametrize("reward, seen", [("test_constant", "100% of groups have zero std"),
+                                          ("test_half_none", "8 reward(s) not finite")])
+def test_a_skipped_step_names_the_zero_std_groups_and_unscored_rewards(setup, reward, seen):
+    """The logged cause follows the whole diagnosis order: it names the NaN logits and also what
+    the first two checks (rewards, zero-std groups) found in the step."""
+    tr = _trainer(setup, f"context_{reward}", **{"rewards": f"[{{name: {reward}}}]", "train.steps": 2})
+    _poison(tr, {2}, _nan)
+    tr.train()
+    [event] = _rows(tr.run_dir, "guard.jsonl")
+    assert event["step"] == 2 and "non-finite log-probs" in event["cause"] and seen in event["cause"]
+
+
+def test_a_nan_in_one_mini_batch_skips_only_that_update(setup):
+    """mini_batches = 2 and a NaN in the first one of step 2: its update is skipped, the second is
+    applied. The step is bad (logged) but not counted as a skipped step."""
+    tr = _trainer(setup, "minibatch", **{"algorithm.mini_batches": 2, "train.steps": 3})
+    calls = []
+
+    def first_forward_only(out):
+        calls.append(1)
+        return _nan(out) if len(calls) == 1 else None
+    _poison(tr, {2}, first_forward_only)
+    seen = {}
+    tr.train(progress=lambda step, m: seen.setdefault(step, _weights(tr.model)))
+    assert not torch.equal(seen[2], seen[1]) and torch.isfinite(seen[2]).all()   # the other half applied
+    rows = _rows(tr.run_dir, "metrics.jsonl")
+    assert [r["guard/skipped_steps"] for r in rows] == [0, 0, 0]
+    assert [r["guard/skipped_minibatches"] for r in rows] == [0, 1, 1]
+    [event] = _rows(tr.run_dir, "guard.jsonl")
+    assert (event["step"], event["updates_skipped"], event["updates"]) == (2, 1, 2)
+    assert "non-finite log-probs" in event["cause"]
+
+
+def test_non_finite_logits_raise_a_specific_error_when_sampling():
+    params = SamplingParams(temperature=1.0)
+    ok = torch.tensor([[0.0, float("-inf"), 1.0]])        # a masked token is fine
+    assert sample_next(ok, params, torch.Generator().manual_seed(0))[0].item() in (0, 2)
+    for bad in ([[0.0, float("nan"), 1.0]], [[0.0, float("inf"), 1.0]], [[float("-inf")] * 3]):
+        for temperature in (1.0, 0.0):
+            with pytest.raises(NonFiniteLogits, match="non-finite logits during sampling: 1 of 2 rows"):
+                sample_next(torch.tensor([[0.0, 0.0, 0.0], *bad]), SamplingParams(temperature=temperature))
+    assert issubclass(NonFiniteLogits, ValueError)
+
+
+def test_nan_weights_during_sampling_are_skipped_then_rolled_back(setup):
+    """The weights turn NaN after step 1 (a bug writes into them): the rollouts of steps 2 and 3 meet
+    NaN logits; both steps are skipped, and with K = 2 step 3 rolls back to step 1's healthy
+    checkpoint; step 4 trains normally from there."""
+    tr = _trainer(setup, "nan_sampling", **{"train.save_every": 1, "train.steps": 4, "guard.max_consecutive_bad": 2})
+    seen = {}
+
+    def progress(step, m):
+        seen[step] = _weights(tr.model)
+        if step == 1:
+            with torch.no_grad():
+                tr.model.get_output_embeddings().weight.fill_(float("nan"))
+    tr.train(progress=progress)
+    events = _rows(tr.run_dir, "guard.jsonl")
+    assert [(e["event"], e["step"]) for e in events] == [("skip", 2), ("skip", 3), ("rollback", 3)]
+    assert all(e["cause"].startswith("non-finite logits during sampling") for e in events)
+    assert events[-1]["to"] == "step_000001"
+    assert torch.equal(seen[3], seen[1])                   # the healthy weights are back
+    assert torch.isfinite(seen[4]).all() and not torch.equal(seen[4], seen[3])
+    rows = _rows(tr.run_dir, "metrics.jsonl")
+    assert [r["guard/skipped_steps"] for r in rows] == [0, 1, 2, 2]
+    assert [r["guard/skipped_minibatches"] for r in rows] == [0, 1, 2, 2]
+    assert [r["guard/rollbacks"] for r in rows] == [0, 0, 1, 1]
+    assert "reward/mean" not in rows[1] and "reward/mean" in rows[3]
 
 
 # ---------------------------------------------------------------------------------------- rollback

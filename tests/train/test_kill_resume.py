@@ -134,7 +134,7 @@ def test_saving_the_same_step_again_replaces_it_whole(tmp_path):
 
 def test_resume_without_a_checkpoint_starts_over_without_repeating_rows(tmp_path):
     """A run killed before its first checkpoint (save_every = 0) restarts from step 0 on --resume;
-    the rows it had logged are dropped so each step is logged once."""
+    the rows it had logged are moved aside (to previous/) so each step is logged once."""
     model_dir = tiny_model_dir(tmp_path / "model")
     train, _ = arithmetic_files(tmp_path / "data", n_train=64)
     run = tmp_path / "run"
@@ -146,7 +146,10 @@ def test_resume_without_a_checkpoint_starts_over_without_repeating_rows(tmp_path
     tr.train(resume=True)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all("reward/mean" in r for r in rows)
-    assert (run / "guard.jsonl").read_text() == ""
+    assert not (run / "guard.jsonl").exists()
+    [earlier] = (run / "previous").iterdir()
+    assert (earlier / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert (earlier / "guard.jsonl").read_text() == '{"event": "skip", "step": 2}\n'
 
 
 # ---------------------------------------------------------------------------------------- slow

@@ -110,3 +110,53 @@ def test_rewards_and_crosscheck_plug_in_from_yaml(setup, tmp_path):
     assert m["reward/soft_overlong/mean"] <= 0
     assert 0.0 <= m["reward/checker_disagreement"] <= 1.0
     assert m["reward/checker_checked"] == 16
+
+
+def test_mask_truncated_takes_truncated_rows_out_of_the_loss(setup):
+    """Overlong filtering (`algorithm.mask_truncated`, presets/dapo.yaml): a completion that
+    finished by length gets no loss. The batch is arranged so that only truncated rows carry a
+    learning signal: the first two groups are marked truncated and get varied rewards, the last
+    two finish by EOS with equal rewards (advantage 0). With the flag their loss mask is zero and
+    no gradient is left; without it the same batch trains."""
+    root, model_dir, train, _ = setup
+    from grpokit import rewards
+
+    if "test_varied_if_truncated" not in rewards.REGISTRY:
+        @rewards.register("test_varied_if_truncated")
+        def _varied_if_truncated(prompts, completions, finish_reason, **columns):
+            return [float(i % 2) if f == "length" else 1.0 for i, f in enumerate(finish_reason)]
+
+    for flag in (True, False):
+        cfg = load_config(None, small_overrides(model_dir, train, root / f"mask_truncated_{flag}", **{
+            "algorithm.mask_truncated": flag, "algorithm.kl.beta": 0.0, "train.steps": 1,
+            "rewards": "[{name: test_varied_if_truncated}]"}))
+        torch.manual_seed(0)
+        tr = build_trainer(cfg, health=False)
+        G = cfg.rollout.group_size
+        sample, update, seen = tr.sample, tr.update, []
+
+        def sample_two_groups_truncated(rows):
+            batch = sample(rows)
+            batch.finish_reason = ["length" if i < 2 * G else "eos" for i in range(len(batch))]
+            return batch
+
+        def spy_update(data, beta):
+            seen.append(data)
+            return update(data, beta)
+
+        tr.sample, tr.update = sample_two_groups_truncated, spy_update
+        before = _weights(tr.model).clone()
+        m = tr.step()
+        data = seen[0]
+        full = data.rollout.completion_mask
+        assert full[: 2 * G].sum() > 0                                  # the truncated rows have tokens
+        assert data.advantages[: 2 * G].abs().sum() > 0 and data.advantages[2 * G:].abs().sum() == 0
+        if flag:
+            assert data.loss_mask[: 2 * G].sum() == 0                   # truncated rows: no loss ...
+            assert torch.equal(data.loss_mask[2 * G:], full[2 * G:])    # ... the others untouched
+            assert m["optim/grad_norm"] == 0.0
+            torch.testing.assert_close(_weights(tr.model), before, atol=0, rtol=0)
+        else:
+            assert torch.equal(data.loss_mask, full)
+            assert m["optim/grad_norm"] > 0
+            assert not torch.equal(_weights(tr.model), before)

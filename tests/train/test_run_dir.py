@@ -1,0 +1,104 @@
+"""The run directory over several runs: a fresh run sets an earlier run's output aside (never
+appends to it, never mixes checkpoints), a resume logs every step and alarm once, and the held-out
+evaluation runs on the documented steps."""
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpokit.config import load_config
+from grpokit.train import build_trainer
+from tests.fixtures import arithmetic_files, small_overrides, tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rundir")
+    model_dir = tiny_model_dir(root / "model")
+    train, held = arithmetic_files(root / "data", n_train=64)
+    return root, model_dir, train, held
+
+
+def _trainer(setup, run: Path, **over):
+    _, model_dir, train, _ = setup
+    opts = {"rewards": "[{name: test_varied}]", "algorithm.kl.beta": 0.05, "algorithm.kl.controller": "fixed", **over}
+    return build_trainer(load_config(None, small_overrides(model_dir, train, run, **opts)))
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+
+
+def _weights(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+
+
+def test_a_fresh_run_sets_an_earlier_runs_output_aside(setup, caplog):
+    """Two fresh runs into one directory: the second logs only its own rows, the first run's files
+    (and config) are under previous/, and a resume after that loads the second run's checkpoint,
+    not the first run's later one."""
+    run = setup[0] / "twice"
+    first = _trainer(setup, run, **{"train.steps": 2, "train.save_every": 1, "train.seed": 1})
+    first.train()
+    (run / "report.html").write_text("first run's report")
+    (run / "tb").mkdir()                                   # as TensorBoard leaves it
+    with caplog.at_level(logging.WARNING, logger="grpokit.train"):
+        second = _trainer(setup, run, **{"train.steps": 1, "train.save_every": 1, "train.seed": 2})
+        second.train()
+    moved = [r.getMessage() for r in caplog.records if "earlier run" in r.getMessage()]
+    [earlier] = (run / "previous").iterdir()
+    assert len(moved) == 1 and str(earlier) in moved[0]
+
+    assert [r["step"] for r in _rows(run / "metrics.jsonl")] == [1]
+    assert [r["step"] for r in _rows(earlier / "metrics.jsonl")] == [1, 2]
+    assert sorted(p.name for p in (earlier / "checkpoints").glob("step_*")) == ["step_000001", "step_000002"]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_000000", "step_000001"]
+    assert (earlier / "report.html").read_text() == "first run's report" and (earlier / "tb").is_dir()
+    assert not (run / "report.html").exists() and not (run / "tb").exists()
+    assert "seed: 1" in (earlier / "config.yaml").read_text() and "seed: 2" in (run / "config.yaml").read_text()
+
+    resumed = _trainer(setup, run, **{"train.steps": 2, "train.save_every": 1, "train.seed": 2})
+    assert resumed.resume() and resumed.step_idx == 1
+    assert torch.equal(_weights(resumed.model), _weights(second.model))
+
+
+def test_a_fresh_run_into_an_empty_directory_moves_nothing(setup):
+    run = setup[0] / "empty"
+    _trainer(setup, run, **{"train.steps": 1}).train()
+    assert not (run / "previous").exists()
+
+
+def test_resume_from_a_step0_checkpoint_logs_each_alarm_once(setup):
+    """A run killed at step 2 whose only checkpoint is step 0 (empty health history) resumes from
+    step 0: the alarms of the killed attempt are dropped, not logged a second time."""
+    run = setup[0] / "alarms"
+    over = {"train.steps": 3, "train.save_every": 100,              # only the step-0 checkpoint
+            "health.entropy_collapse.recent": 1, "health.entropy_collapse.floor": 100.0}   # fires every step
+
+    def die_at_2(step, m):
+        if step == 2:
+            raise KeyboardInterrupt("killed")
+    with pytest.raises(KeyboardInterrupt):
+        _trainer(setup, run, **over).train(progress=die_at_2)
+    assert [a["step"] for a in _rows(run / "alarms.jsonl")] == [1, 2]
+    _trainer(setup, run, **over).train(resume=True)
+    assert [a["step"] for a in _rows(run / "alarms.jsonl")] == [1, 2, 3]
+    assert [r["step"] for r in _rows(run / "metrics.jsonl")] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("every, steps, evaluated", [(0, 2, [0, 2]), (2, 3, [2, 3])])
+def test_held_out_evaluation_steps(setup, every, steps, evaluated):
+    """eval_every N: every N steps and after the last; 0: before the first step (row 0, holding
+    only eval/* and time) and after the last."""
+    held = setup[3]
+    run = setup[0] / f"eval{every}"
+    _trainer(setup, run, **{"train.steps": steps, "train.eval_every": every, "data.eval_path": held,
+                            "data.eval_size": 4}).train()
+    rows = _rows(run / "metrics.jsonl")
+    assert [r["step"] for r in rows if "eval/pass@1" in r] == evaluated
+    if every == 0:
+        assert set(rows[0]) == {"step", "time", "eval/pass@1"}
+        assert [r["step"] for r in rows] == [0, 1, 2]
