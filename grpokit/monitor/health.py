@@ -27,6 +27,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from grpokit.monitor.sinks import truncate_jsonl
+
 Action = Literal["warn", "stop", "off"]
 History = Sequence[Mapping[str, Any]]
 
@@ -722,17 +724,5 @@ class HealthMonitor:
         self._truncate_log_after(self._history[-1]["step"] if self._history else 0)
 
     def _truncate_log_after(self, step: int) -> None:
-        path = self.run_dir / ALARMS_FILE if self.run_dir is not None else None
-        if path is None or not path.is_file():
-            return
-        keep = []
-        for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
-            try:
-                later = int(json.loads(line)["step"]) > step
-            except (ValueError, KeyError, TypeError):
-                later = False  # not ours to judge: keep it
-            if not later:
-                keep.append(line)
-        tmp = path.with_name(ALARMS_FILE + ".tmp")
-        tmp.write_text("".join(keep), encoding="utf-8")
-        tmp.replace(path)
+        if self.run_dir is not None:
+            truncate_jsonl(self.run_dir / ALARMS_FILE, step)

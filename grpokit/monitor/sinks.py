@@ -31,21 +31,8 @@ class MetricSink:
         return self.tb
 
     def truncate_after(self, step: int) -> None:
-        """On resume: drop rows written after the checkpoint's step (they will be redone). The file
-        is rewritten to a temporary file and renamed over the old one, so a process killed meanwhile
-        leaves the old file or the new one, never a half-written one."""
-        if not self.path.is_file():
-            return
-        keep = []
-        for line in self.path.read_text().splitlines():
-            try:
-                if json.loads(line).get("step", 0) <= step:
-                    keep.append(line)
-            except (json.JSONDecodeError, AttributeError, TypeError):
-                continue
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(k + "\n" for k in keep))
-        os.replace(tmp, self.path)
+        """On resume: drop rows written after the checkpoint's step (they will be redone)."""
+        truncate_jsonl(self.path, step)
 
     def write(self, step: int, metrics: dict) -> None:
         """Append `{"step": step, "time": unix seconds, **metrics}`."""
@@ -75,3 +62,28 @@ def read_metrics(run_dir: Path) -> list[dict]:
             except json.JSONDecodeError:
                 continue
     return rows
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write to a temporary file and rename it over `path`: a process killed meanwhile leaves the
+    old file or the new one, never a half-written one."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def truncate_jsonl(path: Path, step: int) -> None:
+    """Drop the rows of a JSONL log whose `step` is after `step` (on resume), atomically. Rows that
+    do not parse are dropped too (a line cut by a kill)."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if int(json.loads(line).get("step", 0)) <= step:
+                keep.append(line + "\n")
+        except (ValueError, TypeError, AttributeError):
+            continue
+    atomic_write_text(path, "".join(keep))

@@ -61,7 +61,9 @@ class NonFiniteLogits(ValueError):
 def check_logits(logits: torch.Tensor) -> None:
     """Raise NonFiniteLogits unless every row of `logits` [B, V] can be sampled from: no NaN, no
     +inf, and at least one token above -inf (-inf alone is a masked token, which is fine). That is
-    exactly "the row's max is finite" (max propagates NaN), one cheap reduction per token."""
+    exactly "the row's max is finite" (max propagates NaN), one cheap reduction per token. On a GPU
+    it reads one flag back to the host per token (the EOS check of the decoding loops reads one
+    already; only `ignore_eos` decoding gains a sync)."""
     bad = ~torch.isfinite(logits.amax(-1))       # [B]
     if bad.any():
         raise NonFiniteLogits(

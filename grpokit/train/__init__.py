@@ -38,12 +38,14 @@ def build_health(cfg):
 
 def kl_target_high(cfg) -> float | None:
     """The upper end of the KL controller's target: `high` of the adaptive controller, `target` of
-    Ziegler's; None for the others (fixed, warmup, schedule), which aim at no KL value, and when
-    beta = 0 (no reference)."""
+    Ziegler's, also when a warm-up or schedule wraps one; None for the others (fixed, or a wrapper
+    around fixed), which aim at no KL value, and when beta = 0 (no reference)."""
     from grpokit.algo.control import AdaptiveKL, ZieglerKL
     from grpokit.train.loop import build_kl_controller
 
     ctl = build_kl_controller(cfg)
+    while hasattr(ctl, "inner"):                 # warmup / schedule scale an inner controller's beta
+        ctl = ctl.inner
     if isinstance(ctl, AdaptiveKL):
         return ctl.high
     if isinstance(ctl, ZieglerKL):

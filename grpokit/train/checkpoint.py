@@ -128,37 +128,53 @@ def _prune(root: Path, keep_last: int) -> None:
         stale.unlink(missing_ok=True)
 
 
-EARLIER_RUN_OUTPUT = ("metrics.jsonl", "guard.jsonl", "alarms.jsonl", "disagreements.jsonl", "samples",
-                      "checkpoints", "report.html", "tb")
-"""What a run writes into its run directory besides config.yaml: on a fresh start these belong to an
-earlier run and are moved aside (`set_aside_earlier_run`)."""
+EARLIER_RUN_OUTPUT = ("checkpoints", "metrics.jsonl", "guard.jsonl", "alarms.jsonl", "disagreements.jsonl",
+                      "samples", "report.html", "tb", "config.yaml")
+"""What a run writes into its run directory; on a fresh start these belong to an earlier run and are
+moved aside (`set_aside_earlier_run`). Checkpoints first: once they are gone, a `--resume` can no
+longer pick up the earlier run, whatever else a kill leaves behind."""
 
 
-def set_aside_earlier_run(run_dir: Path, earlier_config: str | None = None) -> Path | None:
+def _new_dir(parent: Path, name: str) -> Path:
+    """Create parent/name, or parent/name-1, -2, ... when taken (two starts in one second, or two
+    processes at once); never raises for a name that exists."""
+    parent.mkdir(parents=True, exist_ok=True)
+    for n in range(1000):
+        path = parent / (name if n == 0 else f"{name}-{n}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{parent}: no free name for {name}")
+
+
+def set_aside_earlier_run(run_dir: Path) -> Path | None:
     """Move the output of an earlier run out of `run_dir` into `run_dir/previous/<UTC time>/`, so a
     fresh run neither appends to its logs nor mixes its checkpoints with the earlier ones (a later
-    `--resume` would load them). Nothing is deleted. `earlier_config`: the earlier run's config.yaml
-    text (the new run has already written its own), kept beside its output. Returns the folder the
-    output went to, or None when there was none."""
+    `--resume` would load them). Nothing is deleted. Returns the folder the output went to, or None
+    when there was none.
+
+    Crash-safe: the files go into `previous/.partial-<time>/` first and the folder is renamed when
+    all are in; a start after a kill in the middle finishes the move into the same folder."""
     import datetime as dt
 
     run_dir = Path(run_dir)
+    prev = run_dir / "previous"
+    partial = min(prev.glob(".partial-*"), default=None) if prev.is_dir() else None
     found = [run_dir / name for name in EARLIER_RUN_OUTPUT if (run_dir / name).exists()]
-    if not found:
+    if not found and partial is None:
         return None
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    dest = run_dir / "previous" / stamp
-    n = 1
-    while dest.exists():                          # two fresh starts within one second
-        dest = run_dir / "previous" / f"{stamp}-{n}"
-        n += 1
-    dest.mkdir(parents=True)
+    if partial is None:
+        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        partial = _new_dir(prev, f".partial-{stamp}")
     for path in found:
-        os.replace(path, dest / path.name)
-    if earlier_config is not None:
-        (dest / "config.yaml").write_text(earlier_config)
+        os.replace(path, partial / path.name)
     _fsync_dir(run_dir)
-    return dest
+    final = _new_dir(prev, partial.name.removeprefix(".partial-"))
+    os.replace(partial, final)                # an empty directory is replaced atomically
+    _fsync_dir(prev)
+    return final
 
 
 def load_state(ckpt: Path) -> dict:

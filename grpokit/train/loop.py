@@ -34,8 +34,7 @@ from grpokit.algo import kl as kl_lib
 from grpokit.algo import loss as loss_lib
 from grpokit.algo.control import build_controller
 from grpokit.config import Config, dump_config
-from grpokit.monitor.health import ALARMS_FILE
-from grpokit.monitor.sinks import MetricSink
+from grpokit.monitor.sinks import MetricSink, atomic_write_text, truncate_jsonl
 from grpokit.data.curriculum import Curriculum
 from grpokit.data.filters import ProxyRules, proxy_filter, zero_variance_groups
 from grpokit.data.rewrite import rewrite_sequences
@@ -114,23 +113,6 @@ def _num(v) -> float | None:
 
 
 _NOTHING_SEEN = (0.0, math.inf)   # (largest ratio, smallest log-prob) of a mini-batch, for the guard
-
-
-def _truncate_jsonl(path: Path, step: int) -> None:
-    """Drop the rows of a JSONL log whose `step` is after `step` (on resume); atomic."""
-    import json
-    if not path.is_file():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if int(json.loads(line).get("step", 0)) <= step:
-                keep.append(line + "\n")
-        except (ValueError, TypeError, AttributeError):
-            continue
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(keep))
-    os.replace(tmp, path)
 
 
 @dataclass
@@ -226,10 +208,6 @@ class Trainer:
         self.curriculum = (Curriculum(start=cur.start, end=cur.end, ramp_steps=cur.ramp_steps, pool_factor=cur.pool_factor,
                                       ema=cur.ema, prior=cur.prior, prior_field=cur.prior_field) if cur.enabled else None)
         self._last = None                # (rows, batch, rewards, advantages, scored) of the last step
-        config_file = self.run_dir / "config.yaml"
-        # an earlier run's config, kept with its output if this run starts fresh (`train`)
-        self._earlier_config = config_file.read_text() if config_file.is_file() else None
-        config_file.write_text(dump_config(cfg))
 
     # ------------------------------------------------------------------ phases
     def sample(self, rows: list[dict]) -> RolloutBatch:
@@ -760,17 +738,23 @@ class Trainer:
         ckpt_lib.load_weights(self.model, ck)
         self.load_state_dict(ckpt_lib.load_state(ck))
         self.sink.truncate_after(self.step_idx)
-        for name in ("guard.jsonl", ALARMS_FILE):
-            _truncate_jsonl(self.run_dir / name, self.step_idx)
+        truncate_jsonl(self.run_dir / "guard.jsonl", self.step_idx)   # alarms.jsonl: the health monitor's own
+        self._write_config()
         log.info("resumed from %s (step %d)", ck, self.step_idx)
         return True
+
+    def _write_config(self) -> None:
+        """RUN_DIR/config.yaml: the config this run trains with (written once the run directory is
+        known to be this run's: after an earlier run was moved aside, or on resume)."""
+        atomic_write_text(self.run_dir / "config.yaml", dump_config(self.cfg))
 
     def start_fresh(self) -> None:
         """Begin a run that does not resume: an earlier run's output in run_dir is moved to
         run_dir/previous/<UTC time>/ (never appended to, never deleted), then the step-0
         checkpoint is saved and, with `train.eval_every: 0`, the baseline evaluation logged as step 0."""
         self.sink.close()                # it may hold RUN_DIR/tb open, which moves too
-        moved = ckpt_lib.set_aside_earlier_run(self.run_dir, self._earlier_config)
+        moved = ckpt_lib.set_aside_earlier_run(self.run_dir)
+        self._write_config()
         self.sink = MetricSink(self.run_dir, tensorboard=self.cfg.train.tensorboard)
         if moved is not None:
             log.warning("%s held the output of an earlier run; moved it to %s", self.run_dir, moved)

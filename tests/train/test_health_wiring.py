@@ -29,6 +29,8 @@ def _health(tmp_path, *over):
     (["algorithm.kl.controller=schedule"], None),
     (["algorithm.kl.controller=warmup", "algorithm.kl.controller_args={steps: 5}"], None),
     (["algorithm.kl.beta=0"], None),                                        # no reference
+    (["algorithm.kl.controller=warmup",                                     # a warm-up over adaptive
+      "algorithm.kl.controller_args={steps: 5, inner: {kind: adaptive, beta: 0.02, low: 0.01, high: 0.2}}"], 0.2),
 ])
 def test_kl_high_comes_from_the_controllers_target_unless_set(tmp_path, over, kl_high):
     h = _health(tmp_path, *over)

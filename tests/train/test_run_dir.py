@@ -102,3 +102,34 @@ def test_held_out_evaluation_steps(setup, every, steps, evaluated):
     if every == 0:
         assert set(rows[0]) == {"step", "time", "eval/pass@1"}
         assert [r["step"] for r in rows] == [0, 1, 2]
+
+
+def test_setting_aside_is_finished_after_a_kill_in_the_middle(tmp_path):
+    """A kill while moving leaves previous/.partial-*; the next start moves the rest into the same
+    folder and names it, so the earlier run is never split and no checkpoint is left for --resume."""
+    from grpokit.train.checkpoint import set_aside_earlier_run
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000004").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "config.yaml").write_text("seed: 1\n")
+    partial = run / "previous" / ".partial-20261203T000000Z"
+    partial.mkdir(parents=True)
+    (run / "checkpoints").rename(partial / "checkpoints")           # the kill came after the first move
+    done = set_aside_earlier_run(run)
+    assert done == run / "previous" / "20261203T000000Z"
+    assert sorted(p.name for p in done.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl"]
+    assert not list((run / "previous").glob(".partial-*")) and not (run / "checkpoints").exists()
+    assert set_aside_earlier_run(run) is None                         # nothing left to move
+
+
+def test_two_set_asides_in_one_second_get_two_folders(tmp_path):
+    from grpokit.train.checkpoint import set_aside_earlier_run
+
+    run = tmp_path / "run"
+    names = []
+    for i in range(3):
+        run.mkdir(exist_ok=True)
+        (run / "metrics.jsonl").write_text(f'{{"step": {i}}}\n')
+        names.append(set_aside_earlier_run(run).name)
+    assert len(set(names)) == 3 and not (run / "metrics.jsonl").exists()
