@@ -209,11 +209,20 @@ class RewardSpecConfig(_Section):
     """Weight in the summed reward."""
     args: dict[str, Any] = {}
     """Keyword arguments bound to the reward function."""
-    timeout_s: float | None = Field(300.0, gt=0)
+    timeout_s: float | None | Literal["auto"] = "auto"
     """Time budget in seconds for one call (all samples of the batch); over it the batch scores None
-    and an error is counted, and training goes on. `null`: no budget (a hanging reward then stalls
-    training; only for a reward that must run in the main thread, e.g. one that sets signal
-    handlers). Same default as `grpokit.rewards.compose.DEFAULT_TIMEOUT_S`."""
+    and an error is counted, and training goes on. `auto`: 300 s
+    (`grpokit.rewards.compose.DEFAULT_TIMEOUT_S`), or no budget for a reward that enforces its own
+    per-sample limits (math_accuracy, math_accuracy_alt, code_tests: a slow answer scores 0 there,
+    while a batch over the budget would score None). `null`: no budget (a hanging reward then
+    stalls training; only for a reward that must run in the main thread, e.g. one that sets signal
+    handlers)."""
+
+    @model_validator(mode="after")
+    def _positive_timeout(self):
+        if isinstance(self.timeout_s, float) and not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, null or auto (got {self.timeout_s:g})")
+        return self
 
 
 class CrossCheckConfig(_Section):
@@ -227,9 +236,16 @@ class CrossCheckConfig(_Section):
     """Arguments for the checker (default: the primary's arguments it accepts)."""
     tol: float = Field(1e-6, ge=0)
     """Checker and primary scores further apart than this disagree."""
-    timeout_s: float | None = Field(300.0, gt=0)
+    timeout_s: float | None | Literal["auto"] = "auto"
     """Time budget in seconds for one checker call (over it the checked samples count in
-    `reward/checker/errors`); `null`: no budget."""
+    `reward/checker/errors`); `auto`: 300 s, or no budget for a checker with its own per-sample
+    limits (math_accuracy_alt); `null`: no budget."""
+
+    @model_validator(mode="after")
+    def _positive_timeout(self):
+        if isinstance(self.timeout_s, float) and not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, null or auto (got {self.timeout_s:g})")
+        return self
 
 
 class OptimConfig(_Section):

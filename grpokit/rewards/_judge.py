@@ -2,7 +2,9 @@
 
 Each assert-style test's predicate from the plan (`_testplan.py`) is evaluated in the trainer on
 the values the sandbox returned (`_values.py`); each stdin/stdout case's captured output is
-compared with the expected output, which never left the trainer.
+compared with the expected output, which never left the trainer. A test that needs a value that
+is not plain data (the program's own class, a dict view) gets the verdict None: only the sandbox
+can judge it, in a second run of its own asserts (`judge_redo`; untrusted).
 """
 
 from __future__ import annotations
@@ -11,15 +13,16 @@ import logging
 
 from . import _sandbox_launcher as _launcher
 from ._testplan import TestPlan, _Check
-from ._values import _LeafError, _teval, decode_value
+from ._values import _LeafError, _NotPlain, _teval, decode_value
 
 logger = logging.getLogger("grpokit.rewards")
 
 # ------------------------------------------------------------------ judging
 
 
-def _judge_assert(check: _Check, reply: dict | None) -> tuple[bool, str]:
-    """(passed, why not) for one assert-style test, from the sandbox's reply for it."""
+def _judge_assert(check: _Check, reply: dict | None) -> tuple[bool | None, str]:
+    """(passed, why not) for one assert-style test, from the sandbox's reply for it; passed is
+    None when a value the predicate needs is not plain data and the sandbox can run the test."""
     if reply is None:
         return False, "not reached"
     if check.pred is None:
@@ -36,6 +39,8 @@ def _judge_assert(check: _Check, reply: dict | None) -> tuple[bool, str]:
 
     try:
         return bool(_teval(check.pred, leaf)), "assertion is false"
+    except _NotPlain as e:
+        return (None if check.redo is not None else False), str(e)
     except _LeafError as e:
         return False, str(e)
     except Exception as e:  # noqa: BLE001 - TypeError for mixed types, ValueError for refused values, ...
@@ -72,11 +77,20 @@ def _same_output(got: str, want: str) -> bool:
     return True
 
 
-def judge(plan: TestPlan, replies: dict[int, dict]) -> list[tuple[bool, str]]:
-    """(passed, why not) per test; `replies` maps test index to the sandbox's first reply."""
+def judge(plan: TestPlan, replies: dict[int, dict]) -> list[tuple[bool | None, str]]:
+    """(passed, why not) per test; `replies` maps test index to the sandbox's first reply.
+    passed is None for a test only the sandbox can judge (see `judge_redo`)."""
     if plan.mode == "io":
         return [_judge_io(want, replies.get(i)) for i, want in enumerate(plan.checks)]
     return [_judge_assert(c, replies.get(i)) for i, c in enumerate(plan.checks)]
+
+
+def judge_redo(reply: dict | None, why: str) -> tuple[bool, str]:
+    """The sandbox's own verdict for a test rerun as its asserts (`TestPlan.redo_steps`):
+    forgeable, so the caller counts it as untrusted. `why`: the reason it was rerun."""
+    if reply is None:
+        return False, f"not reached in the second run ({why})"
+    return reply.get("ok") is True, f"failed in the sandbox ({why})"
 
 
 _untrusted_warned: list[bool] = []
@@ -90,6 +104,6 @@ def _warn_untrusted(plan: TestPlan) -> None:
     logger.warning(
         "grpokit code sandbox: %d of %d tests in a test set cannot be judged outside the sandbox "
         "(e.g. `%s`): their pass/fail comes from the sandboxed process, where a hostile program can "
-        "forge it. CodeResult.untrusted counts them; code_tests(trusted_only=True) scores them 0. "
+        "forge it. CodeResult.untrusted counts them; code_tests(trusted_only=True) leaves them out. "
         "Only `assert <expr> <op> <constant>` forms (and test functions made of them) are judged by "
         "the trainer. Logged once; see docs/rewards.md.", plan.untrusted, plan.total, first)

@@ -83,6 +83,18 @@ _LIST_GAP = re.compile(r"\s*\$?\s*(?:,|;|&|\band\b|\bor\b|\band/or\b)\s*\$?\s*",
 _SENTENCE_END = re.compile(r"\.(?:\s|$)")
 _OR_NEXT = re.compile(r"\s*or\b", re.I)  # "The answer is 3. Or 4." (not "... 3. Either way, ...")
 _VALUE_START = re.compile(r"[-+.(\[$\\\d]|[A-Za-z]\s*=")  # "3", "$x$", "\\frac", "x = 3"; not prose
+# words that may stand between "answer is" and the value: "the answer is therefore 4"
+_FILLER = re.compile(
+    r"(?:[ \t,]*\b(?:therefore|thus|so|hence|indeed|clearly|simply|obviously|evidently|definitely|"
+    r"certainly|surely|actually|really|just|then|now|finally|ultimately|again|still|also|exactly|"
+    r"precisely|of\s+course|in\s+fact|in\s+the\s+end|after\s+all)\b[ \t,:]*)+",
+    re.IGNORECASE,
+)
+# a multiple-choice letter standing alone: "B", "(B)", "B.", "B because ..." ("\boxed{A}. The answer
+# is B." states B); not a variable or a point: "A = 3", "C(5, 2)", "(B, C)"
+_CHOICE = re.compile(r"(?:\(([A-E])\)|([A-E]))(?=\s*$|\s*[,;:!?.]|\s+[A-Za-z])")
+# two choice letters listed: "A, B", "(A) and (C)", "A/B" (any "or" is a hedge already)
+_CHOICE_LIST = re.compile(r"(?<![\w\\])\(?[A-E]\)?\s*(?:,|;|/|&|\band\b)\s*\(?[A-E]\)?(?![\w'])")
 
 
 def _final_line(text: str) -> str:
@@ -124,7 +136,8 @@ class _Statement:
     start: int  # where its marker starts in the text
     answer: str  # what it answers (several candidates joined by ", " when it hedges)
     hedged: bool  # it lists candidates: "$3$ or $4$", "either 3 or 4", "$3$, $4$"
-    value_like: bool  # it starts with a value, not with prose ("... answer is correct because")
+    value_like: bool  # it states a value: one at its start, a choice letter, or a number / math span
+    values: tuple[str, ...] = ()  # what it states after a box: (answer,) or, in prose, every value
 
 
 def _listed(text: str, values: list[re.Match]) -> bool:
@@ -139,6 +152,10 @@ def _read_statement(text: str, marker: re.Match) -> _Statement | None:
     eol = text.find("\n", marker.end())
     rest = text[marker.end() : eol if eol >= 0 else len(text)]
     rest = rest[_MARKER_LEAD.match(rest).end() :][:TAIL_CHARS]  # bounded: the span regex is not linear
+    filler = _FILLER.match(rest)  # "is therefore 4", "is, thus, **4**"
+    if filler:
+        rest = rest[filler.end() :]
+        rest = rest[_MARKER_LEAD.match(rest).end() :]
     spans = list(_MATH_SPAN.finditer(rest))
     masked = _MATH_SPAN.sub(lambda m: "\0" * len(m.group(0)), rest)  # same offsets, no math inside
     stop = _SENTENCE_END.search(masked)
@@ -155,9 +172,20 @@ def _read_statement(text: str, marker: re.Match) -> _Statement | None:
         or (stop and _OR_NEXT.match(after))  # "The answer is 3. Or 4."
         or _DISJUNCTION.search(ans)  # "3 or more"
     )
+    choice = _CHOICE.match(sentence)
+    if choice:  # "B", "(B)", "B because ...": the letter is the answer; "A or B" lists candidates
+        hedged = hedged or bool(_CHOICE_LIST.search(sentence))
+        ans = choice.group(1) or choice.group(2)
     if hedged and len(spans) >= 2:  # keep every candidate: against a collection "or" reads as a list
         ans = ", ".join(next(g for g in m.groups() if g is not None).strip() for m in spans)
-    return _Statement(marker.start(), ans, hedged, bool(_VALUE_START.match(sentence)))
+    if choice or _VALUE_START.match(sentence):
+        return _Statement(marker.start(), ans, hedged, True, (ans,))
+    # prose first ("the answer is definitely not 3 but 4"): every number or math span in it is a
+    # value it states; none ("this answer is consistent with the check") is not a value
+    values = [next(g for g in m.groups() if g is not None).strip() for m in spans]
+    values += [m.group(0) for m in numbers]
+    values = [v for v in values if v]
+    return _Statement(marker.start(), ans, hedged, bool(values), tuple(dict.fromkeys(values)))
 
 
 def _last_statement(text: str) -> _Statement | None:
@@ -173,7 +201,10 @@ def extract_answer(text: str) -> Extraction:
 
     A statement of a value after the last box is one more answer: "\\boxed{3}. Final answer: 4"
     answers both 3 and 4 (a hedge: the judge needs every answer right), while "\\boxed{3}. Final
-    answer: 3" is fine and "\\boxed{3}. This answer is consistent with ..." is prose, not a value."""
+    answer: 3" is fine and "\\boxed{3}. This answer is consistent with ..." is prose, not a value.
+    Filler words do not hide a value ("The final answer is therefore 4"), a choice letter is one
+    ("\\boxed{A}. The answer is B."), and so is every number or math span of a statement that
+    starts with prose ("... answer is definitely not 3 but 4" states 3 and 4)."""
     text = normalize_unicode(text)
     boxes = [(b.strip(), end) for b, end in _boxes(text)]
     boxes = [(b, end) for b, end in boxes if b]
@@ -182,7 +213,7 @@ def extract_answer(text: str) -> Extraction:
         answers = tuple(b for b, _ in boxes)
         last_box_end = max(end for _, end in boxes)
         if statement is not None and statement.start >= last_box_end and statement.value_like:
-            return Extraction(answers + (statement.answer,), "boxed", hedged=statement.hedged)
+            return Extraction(answers + statement.values, "boxed", hedged=statement.hedged)
         return Extraction(answers, "boxed")
     if statement is not None:
         return Extraction((statement.answer,), "marker", hedged=statement.hedged)

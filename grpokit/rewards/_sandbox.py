@@ -4,7 +4,9 @@ job, read its capped output and judge the data it sends back into a `CodeResult`
 This process is the only judge: `plan_tests` keeps every expected value here and sends the
 sandbox only what must run (setup statements, the expressions a test needs, stdin); `judge`
 compares the plain values and outputs that come back ("Who decides a test passed" in
-docs/rewards.md).
+docs/rewards.md). The exception, always counted as untrusted: tests the tests' form leaves to the
+sandbox, and tests whose value is not plain data (the program's own class), which a second run
+of the program judges by running their asserts.
 
 The layers, strongest first (docs/rewards.md, "Sandbox threat model", says what each one stops):
 
@@ -42,8 +44,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from . import _sandbox_launcher as _launcher
-from ._judge import _warn_untrusted, judge
-from ._testplan import TestPlan, _Check, plan_tests
+from ._judge import _warn_untrusted, judge, judge_redo
+from ._testplan import TestPlan, plan_tests
 
 logger = logging.getLogger("grpokit.rewards")
 
@@ -162,8 +164,11 @@ class CodeResult:
     CPU limit), "memory" (memory limit), "crashed" (the program did not compile, raised or exited
     before the tests ran, or died), "error" (it could not be run: bad tests, sandbox failure).
     untrusted: how many of the `total` tests could not be judged by the trainer (their verdict
-    comes from inside the sandbox, where a hostile program can forge it; see docs/rewards.md);
-    untrusted_passed: how many of `passed` are such tests.
+    comes from inside the sandbox, where a hostile program can forge it; see docs/rewards.md):
+    those the tests' form leaves to the sandbox, and those whose value was not plain data;
+    untrusted_passed: how many of `passed` are such tests. trusted_total: how many tests the
+    trainer judges itself when the values are plain data, fixed by the tests alone whatever the
+    program does (the denominator of `code_tests(trusted_only=True)`).
     """
 
     passed: int
@@ -175,6 +180,7 @@ class CodeResult:
     detail: str = ""
     untrusted: int = 0
     untrusted_passed: int = 0
+    trusted_total: int = 0
 
     @property
     def fraction(self) -> float:
@@ -199,22 +205,41 @@ class _Capped:
 def run_job(program: str, tests, *, iso: Isolation | None = None, timeout_s: float = 5.0,
             memory_mb: int = 512, nproc: int = 32, file_mb: int = 16, disk_mb: int = 64,
             output_cap: int = 16384, site: bool = True) -> CodeResult:
-    """Run `program` against `tests` in a fresh sandbox; never raises for anything the program does."""
+    """Run `program` against `tests` in a fresh sandbox; never raises for anything the program
+    does. When a value a test needs is not plain data, the program runs a second time, in which
+    such tests run their own asserts (their verdicts are then the sandbox's: untrusted)."""
     t0 = time.monotonic()
     try:
         plan = plan_tests(tests)
     except ValueError as e:
         return CodeResult(0, 0, "error", detail=str(e))
+    except Exception as e:  # noqa: BLE001 - a bug in the planner must not stop the training run
+        return CodeResult(0, 0, "error", detail=f"cannot plan the tests: {type(e).__name__}: {e}"[:500])
     if not isinstance(program, str):
         return CodeResult(0, plan.total, "error", detail="program must be a string", untrusted=plan.untrusted)
     if plan.untrusted:
         _warn_untrusted(plan)
-    iso = iso or isolation()
+    limits = {"iso": iso or isolation(), "timeout_s": timeout_s, "memory_mb": memory_mb, "nproc": nproc,
+              "file_mb": file_mb, "disk_mb": disk_mb, "output_cap": output_cap, "site": site}
+    run = _run_once(program, plan.mode, plan.steps, **limits)
+    verdicts = judge(plan, run.replies)
+    redo = [i for i, (ok, _) in enumerate(verdicts) if ok is None]
+    if redo and _label(run, False, "")[0] == "failed":  # the first run went through to the end
+        second = _run_once(program, plan.mode, plan.redo_steps(redo), **limits)
+        for i in redo:
+            verdicts[i] = judge_redo(second.replies.get(i), verdicts[i][1])
+    verdicts = [(bool(ok), why) for ok, why in verdicts]
+    return _result(run, plan, verdicts, redo, t0)
+
+
+def _run_once(program: str, mode: str, steps, *, iso: Isolation, timeout_s: float, memory_mb: int, nproc: int,
+              file_mb: int, disk_mb: int, output_cap: int, site: bool) -> _Run:
+    """One sandboxed run of `program` and `steps`, in a fresh working directory."""
     token = f"{os.getpid()}-{uuid.uuid4().hex}"  # in every sandboxed environment: whose run it is
     hostdir = None if iso.mountns else tempfile.mkdtemp(prefix=f"grpokit-sbx-{os.getpid()}-")
     workdir = _launcher.SANDBOX_DIR if iso.mountns else hostdir
     cfg = {  # no expected value of a test the parent judges is in here (see TestPlan)
-        "program": program, "mode": plan.mode, "steps": plan.steps, "timeout_s": timeout_s,
+        "program": program, "mode": mode, "steps": steps, "timeout_s": timeout_s,
         "memory_mb": memory_mb, "nproc": nproc, "file_mb": file_mb, "disk_mb": disk_mb, "output_cap": output_cap,
         "site": site, "workdir": workdir, "token": token, "expose": _expose_paths(),
         "hide": [os.path.expanduser("~")], "parent_pid": os.getpid(), "startup_s": STARTUP_TIMEOUT_S,
@@ -224,7 +249,7 @@ def run_job(program: str, tests, *, iso: Isolation | None = None, timeout_s: flo
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GRPOKIT_SANDBOX": token}
     try:
-        return _execute(cfg, env, plan, timeout_s, output_cap, t0)
+        return _execute(cfg, env, timeout_s, output_cap)
     finally:
         if hostdir:
             shutil.rmtree(hostdir, ignore_errors=True)
@@ -239,10 +264,10 @@ def _expose_paths() -> list[str]:
     return sorted(p for p in paths if p and os.path.isdir(p))
 
 
-def _execute(cfg: dict, env: dict, plan: TestPlan, timeout_s: float, cap: int, t0: float) -> CodeResult:
+def _execute(cfg: dict, env: dict, timeout_s: float, cap: int) -> _Run:
     """Start the launcher and read its four outputs until it exits: stdout and stderr (capped),
     its own events (`result_fd`: the child's pid, setup errors) and the harness's data
-    (`data_fd`), then judge. Only the launcher holds `result_fd`; the program holds `data_fd`."""
+    (`data_fd`). Only the launcher holds `result_fd`; the program holds `data_fd`."""
     ev_r, ev_w = os.pipe()
     data_r, data_w = os.pipe()
     cfg["result_fd"], cfg["data_fd"] = ev_w, data_w
@@ -254,7 +279,7 @@ def _execute(cfg: dict, env: dict, plan: TestPlan, timeout_s: float, cap: int, t
     except OSError as e:
         for fd in (ev_r, ev_w, data_r, data_w):
             os.close(fd)
-        return CodeResult(0, plan.total, "error", detail=f"cannot start the sandbox: {e}", untrusted=plan.untrusted)
+        return _Run(_Capped(0), _Capped(0), None, False, False, setup_error=f"cannot start the sandbox: {e}")
     os.close(ev_w)
     os.close(data_w)
     ev_f, data_f = os.fdopen(ev_r, "rb", buffering=0), os.fdopen(data_r, "rb", buffering=0)
@@ -323,7 +348,7 @@ def _execute(cfg: dict, env: dict, plan: TestPlan, timeout_s: float, cap: int, t
                 f.close()
         if pidfd is not None:
             os.close(pidfd)
-    return _result(events, data, proc.returncode, timed_out, killed_at is not None, plan, out, err, t0)
+    return _parse(events, data, _Run(out, err, proc.returncode, timed_out, killed_at is not None))
 
 
 _START = b'{"ev": "start"}'
@@ -363,11 +388,35 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
+@dataclass
+class _Run:
+    """What one sandboxed run left: its output, exit, and the data the harness sent."""
+
+    out: _Capped
+    err: _Capped
+    rc: int | None
+    timed_out: bool
+    killed: bool
+    saw_pid: bool = False
+    setup_error: str | None = None
+    replies: dict = field(default_factory=dict)  # test index -> the first reply for it
+    done: dict | None = None
+    harness_error: str | None = None
+
+
+def _json_int(digits: str) -> int:
+    """JSON integers the harness may send: its values travel as 64-bit ints or hex, so a long
+    run of digits is a hostile program's (int(text) is quadratic in its length)."""
+    if len(digits) > 40:
+        raise ValueError("integer too long")
+    return int(digits)
+
+
 def _lines(buf: bytearray) -> list[dict]:
     out = []
     for line in bytes(buf).splitlines():
         try:
-            ev = json.loads(line)
+            ev = json.loads(line, parse_int=_json_int)
         except (ValueError, RecursionError):
             continue
         if isinstance(ev, dict):
@@ -375,45 +424,48 @@ def _lines(buf: bytearray) -> list[dict]:
     return out
 
 
-def _result(events: bytearray, data: bytearray, rc: int | None, timed_out: bool, killed: bool, plan: TestPlan,
-            out: _Capped, err: _Capped, t0: float) -> CodeResult:
-    """Judge the harness's data against the plan; the status only labels what happened (the
-    sandbox's "done" and "harness_error" lines are hints: they never make a test pass)."""
+def _parse(events: bytearray, data: bytearray, run: _Run) -> _Run:
+    """Sort the launcher's events and the harness's lines into `run` (none of it is a verdict)."""
     launcher = _lines(events)
-    saw_pid = any(ev.get("ev") == "pid" for ev in launcher)
-    setup_error = next((str(ev.get("msg", "")) for ev in launcher if ev.get("ev") == "setup_error"), None)
-    replies, done, harness_error = {}, None, None
+    run.saw_pid = any(ev.get("ev") == "pid" for ev in launcher)
+    run.setup_error = next((str(ev.get("msg", "")) for ev in launcher if ev.get("ev") == "setup_error"), None)
     for ev in _lines(data):
         if type(ev.get("u")) is int:
-            replies.setdefault(ev["u"], ev)  # the first reply per test counts
-        elif ev.get("ev") == "done" and done is None:
-            done = ev
-        elif ev.get("ev") == "harness_error" and harness_error is None:
-            harness_error = str(ev.get("msg", ""))
-    verdicts = judge(plan, replies)
+            run.replies.setdefault(ev["u"], ev)  # the first reply per test counts
+        elif ev.get("ev") == "done" and run.done is None:
+            run.done = ev
+        elif ev.get("ev") == "harness_error" and run.harness_error is None:
+            run.harness_error = str(ev.get("msg", ""))
+    return run
+
+
+def _result(run: _Run, plan: TestPlan, verdicts: list[tuple[bool, str]], redo: list[int], t0: float) -> CodeResult:
+    """The CodeResult of a judged run; `redo` are the tests judged by the sandbox's second run."""
     n = sum(ok for ok, _ in verdicts)
-    untrusted = [not c.trusted if isinstance(c, _Check) else False for c in plan.checks]
-    n_untrusted = sum(ok and u for (ok, _), u in zip(verdicts, untrusted))
+    untrusted = {i for i, c in enumerate(plan.checks) if plan.mode == "assert" and not c.trusted} | set(redo)
     first_fail = next((f"test {i + 1}: {why}" for i, (ok, why) in enumerate(verdicts) if not ok), "")
-    dur = time.monotonic() - t0
+    status, detail = _label(run, n == plan.total, first_fail)
+    return CodeResult(n, plan.total, status, run.out.text(), run.err.text(), time.monotonic() - t0, detail[:500],
+                      plan.untrusted + len(redo), sum(verdicts[i][0] for i in untrusted), plan.total - plan.untrusted)
 
-    def mk(status: str, detail: str = "") -> CodeResult:
-        return CodeResult(n, plan.total, status, out.text(), err.text(), dur, detail[:500], sum(untrusted), n_untrusted)
 
-    if timed_out:
-        return mk("timeout", "wall-clock limit")
-    if not saw_pid:
-        return mk("error", setup_error or f"sandbox did not start (exit {rc})" + (" (startup timeout)" if killed else ""))
-    if done is not None:
-        status, msg = done.get("status"), str(done.get("msg", ""))
+def _label(run: _Run, all_passed: bool, first_fail: str) -> tuple[str, str]:
+    """(status, detail): what happened, as a label. The sandbox's "done" and "harness_error"
+    lines are hints; they never make a test pass, and "ok" needs every test passed as judged."""
+    if run.timed_out:
+        return "timeout", "wall-clock limit"
+    if not run.saw_pid:
+        return "error", run.setup_error or f"sandbox did not start (exit {run.rc})" + (" (startup timeout)" if run.killed else "")
+    if run.done is not None:
+        status, msg = run.done.get("status"), str(run.done.get("msg", ""))
         if status == "crashed":
-            return mk("crashed", msg)
-        if n == plan.total:
-            return mk("ok")
-        return mk("memory" if status == "memory" else "failed", msg or first_fail)
-    if rc is not None and rc - 128 == signal.SIGXCPU:
-        return mk("timeout", "CPU-time limit")
-    if harness_error and "MemoryError" in harness_error:
-        return mk("memory", harness_error)
-    sig = rc - 128 if rc is not None and rc > 128 else None
-    return mk("crashed", harness_error or (f"killed by signal {sig}" if sig else f"exited with code {rc} before reporting"))
+            return "crashed", msg
+        if all_passed:
+            return "ok", ""
+        return ("memory" if status == "memory" else "failed"), msg or first_fail
+    if run.rc is not None and run.rc - 128 == signal.SIGXCPU:
+        return "timeout", "CPU-time limit"
+    if run.harness_error and "MemoryError" in run.harness_error:
+        return "memory", run.harness_error
+    sig = run.rc - 128 if run.rc is not None and run.rc > 128 else None
+    return "crashed", run.harness_error or (f"killed by signal {sig}" if sig else f"exited with code {run.rc} before reporting")

@@ -35,6 +35,7 @@ import resource
 import select
 import signal
 import sys
+import types
 
 EXIT_SETUP = 3  # the launcher failed before the program could start
 EXIT_HARNESS = 4  # the harness itself failed (not the program)
@@ -355,17 +356,22 @@ EXIT_MEMORY = 5  # exit code of an io case process that ran out of memory
 
 
 class _NotData(Exception):
-    """A value the parent would not accept (only plain builtin types travel)."""
+    """A value the parent would not accept (too large, or too deeply nested, to send)."""
+
+
+class _NotPlain(_NotData):
+    """A value of a type that does not travel (the program's own class, a dict view, ...); the
+    parent may then ask for the test's own verdict in a second run (untrusted)."""
 
 
 def encode_value(x, budget: list | None = None, depth: int = 0):
-    """`x` as JSON-ready data; `_sandbox.decode_value` in the parent is the inverse.
+    """`x` as JSON-ready data; `_values.decode_value` in the parent is the inverse.
 
     None, bool, int (64-bit), float and str travel as themselves, list as a JSON array; the rest
     as a one-key object: {"i": hex} larger int, {"t": [...]} tuple, {"S": [...]} set,
     {"F": [...]} frozenset, {"d": [[k, v], ...]} dict, {"c": [re, im]} complex, {"y": hex} bytes,
     {"q": [num, den]} Fraction, {"D": text} Decimal. Types are checked with `type(x) is ...`:
-    a subclass of int could bring its own __eq__, so it is refused (raises _NotData). numpy
+    a subclass of int could bring its own __eq__, so it is refused (raises _NotPlain). numpy
     scalars go as their `.item()`. The parent re-checks all of this: whatever this process sends,
     it can only rebuild plain values from it.
     """
@@ -391,7 +397,10 @@ def encode_value(x, budget: list | None = None, depth: int = 0):
         return {"c": [x.real, x.imag]}
     if t is bytes:
         return {"y": x.hex()}
-    mod, name = getattr(t, "__module__", ""), getattr(t, "__qualname__", "")
+    try:
+        mod, name = str(getattr(t, "__module__", "")), str(getattr(t, "__qualname__", ""))
+    except BaseException:  # noqa: BLE001 - a metaclass of the program's that raises
+        raise _NotPlain("a value of the program's own class is not plain data") from None
     if (mod, name) == ("fractions", "Fraction"):
         return {"q": [encode_value(x.numerator, budget), encode_value(x.denominator, budget)]}
     if mod in ("decimal", "_decimal", "_pydecimal") and name == "Decimal":
@@ -400,7 +409,7 @@ def encode_value(x, budget: list | None = None, depth: int = 0):
         item = x.item()
         if type(item) in (bool, int, float, complex):
             return encode_value(item, budget, depth + 1)
-    raise _NotData(f"a {mod}.{name} is not plain data (int, float, str, bytes, list, tuple, dict, set, None, ...)")
+    raise _NotPlain(f"a {mod[:60]}.{name[:60]} is not plain data (int, float, str, bytes, list, tuple, dict, ...)")
 
 
 def _spend(budget: list, n: int, depth: int) -> None:
@@ -419,47 +428,71 @@ def _name(e: BaseException) -> str:
 _TRUSTED_DIRS: tuple[str, ...] = ()  # the interpreter's own library dirs, set before the program runs
 
 
-def _own_eq(obj, budget: list) -> bool:
-    """True if `obj` (or an element inside it) brings its own __eq__/__ne__: one defined in
-    Python by a class whose code does not come from a file of the interpreter's libraries
-    (stdlib `Fraction` is fine; a class written or patched by the program is not)."""
+_COMPARISONS = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__contains__")
+
+
+def _own_comparison(obj, budget: list) -> bool:
+    """True if `obj` (or an element inside it) brings its own comparison (`__eq__`, `__lt__`,
+    `__contains__`, ...): one defined in Python by a class whose code does not come from a file of
+    the interpreter's libraries (stdlib `Fraction` is fine; a class written or patched by the
+    program is not)."""
     budget[0] -= 1
     if budget[0] < 0:
         return False
     for cls in type(obj).__mro__:
         if not cls.__flags__ & (1 << 9):  # not Py_TPFLAGS_HEAPTYPE: a C type, trusted
             continue
-        for name in ("__eq__", "__ne__"):
+        for name in _COMPARISONS:
             fn = cls.__dict__.get(name)
             if fn is None:
                 continue
             path = getattr(getattr(fn, "__code__", None), "co_filename", "")
-            if not (path.startswith(_TRUSTED_DIRS) and os.path.isfile(path)):
+            if not (type(path) is str and path.startswith(_TRUSTED_DIRS) and os.path.isfile(path)):
                 return True
     if type(obj) in (list, tuple, set, frozenset):
-        return any(_own_eq(x, budget) for x in obj)
+        return any(_own_comparison(x, budget) for x in obj)
     if type(obj) is dict:
-        return any(_own_eq(k, budget) or _own_eq(v, budget) for k, v in obj.items())
+        return any(_own_comparison(k, budget) or _own_comparison(v, budget) for k, v in obj.items())
     return False
 
 
+class _Refused(Exception):
+    """A comparison the guard below refuses: the assert fails, even under `not`."""
+
+
+_GUARDED = {"Eq": lambda a, b: a == b, "NotEq": lambda a, b: a != b, "Lt": lambda a, b: a < b,
+            "LtE": lambda a, b: a <= b, "Gt": lambda a, b: a > b, "GtE": lambda a, b: a >= b,
+            "In": lambda a, b: a in b, "NotIn": lambda a, b: a not in b}  # by ast operator name
+
+
 def _guarded_compare(left, right, op: str) -> bool:
-    """`assert left == right` with the classic reward hack closed: when the expected side is a
-    plain value, the program's side may not bring its own equality ("always equal" objects)."""
-    if not _own_eq(right, [10_000]) and _own_eq(left, [10_000]):
-        return False
-    return (left == right) if op == "eq" else (left != right)
+    """`left <op> right` in an assert the sandbox judges (an untrusted test, or the second run for
+    a value that is not plain data), with the classic reward hack closed: when only one side
+    brings its own comparison, the other being plain, it is refused ("always equal" objects:
+    `f(x) == 3`, `3 == f(x)`, `f(x) in [3]`, `abs(f(x) - 3) < tol`). Both sides the program's
+    own (`mk(1) == P(1)`) compare as written."""
+    if _own_comparison(left, [10_000]) != _own_comparison(right, [10_000]):
+        raise _Refused("a value with its own comparison compared with a plain value")
+    return _GUARDED[op](left, right)
 
 
 class _GuardEq(ast.NodeTransformer):
+    """Route every single comparison inside an assert through `_guarded_compare` (chains are
+    left alone: a speed bump, since these verdicts are counted as untrusted anyway)."""
+
     def visit_Assert(self, node):
-        t = node.test
-        if isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], (ast.Eq, ast.NotEq)):
-            op = "eq" if isinstance(t.ops[0], ast.Eq) else "ne"
-            call = ast.Call(ast.Name("__grpokit_cmp__", ast.Load()), [t.left, t.comparators[0], ast.Constant(op)], [])
-            node.test = ast.copy_location(call, t)
+        node.test = _GuardCompare().visit(node.test)
         return node
 
+
+class _GuardCompare(ast.NodeTransformer):
+    def visit_Compare(self, node):
+        self.generic_visit(node)
+        op = type(node.ops[0]).__name__
+        if len(node.ops) != 1 or op not in _GUARDED:
+            return node
+        args = [node.left, node.comparators[0], ast.Constant(op)]
+        return ast.copy_location(ast.Call(ast.Name("__grpokit_cmp__", ast.Load()), args, []), node)
 
 
 class _Harness:
@@ -503,7 +536,7 @@ class _Harness:
         """The program, then the parent's steps in order: ["exec", src] a setup statement,
         ["eval", i, [src, ...]] the expressions test i needs (their values are sent), ["run", i,
         src] a test the parent cannot split (only whether it raised is sent)."""
-        ns = {"__name__": "__solution__", "__builtins__": builtins}
+        ns = _module_namespace("__solution__")
         sys.stdin = io.StringIO("")
         self.send(ev="start")
         try:
@@ -529,7 +562,10 @@ class _Harness:
         equal" guard: only the verdicts of "run" steps depend on it, and those are forgeable
         anyway (they are counted as untrusted), so it is a speed bump, not a wall."""
         try:
-            tree = ast.fix_missing_locations(_GuardEq().visit(ast.parse(src, "<tests>", "exec")))
+            try:
+                tree = ast.fix_missing_locations(_GuardEq().visit(ast.parse(src, "<tests>", "exec")))
+            except RecursionError:  # a very deeply nested expression: run it as written
+                tree = ast.parse(src, "<tests>", "exec")
             self._exec(self._compile(tree, "<tests>", "exec"), ns)  # noqa: S102
             return True
         except MemoryError:
@@ -539,12 +575,15 @@ class _Harness:
         return False
 
     def _value(self, src: str, ns: dict):
-        """The value of one expression as data, or {"!": why} when it raised or is not data."""
+        """The value of one expression as data, {"?": why} when its type does not travel, or
+        {"!": why} when it raised or is too large to send."""
         try:
             return encode_value(self._eval(self._compile(src, "<tests>", "eval"), ns))  # noqa: S307
         except MemoryError:
             self.memory = True
             return {"!": "MemoryError"}
+        except _NotPlain as e:
+            return {"?": str(e)}
         except _NotData as e:
             return {"!": str(e)}
         except BaseException as e:  # noqa: BLE001
@@ -582,6 +621,16 @@ class _Harness:
         return out, os.waitstatus_to_exitcode(status), over
 
 
+def _module_namespace(name: str) -> dict:
+    """The globals of a real module registered under `name`: dataclasses, typing and pickle
+    look the program's classes up in sys.modules (a bare dict made `@dataclass` with string
+    annotations raise AttributeError)."""
+    module = types.ModuleType(name)
+    module.__builtins__ = builtins
+    sys.modules[name] = module
+    return module.__dict__
+
+
 def _stdin_fd(text: str) -> int:
     """A readable descriptor holding `text` (an anonymous memory file; a pipe could not take a
     large input before the reader starts)."""
@@ -609,7 +658,7 @@ def _run_case(code, stdin_fd: int, out_fd: int) -> int:
     except BaseException:  # noqa: BLE001
         return EXIT_HARNESS
     try:
-        exec(code, {"__name__": "__main__", "__builtins__": builtins})  # noqa: S102
+        exec(code, _module_namespace("__main__"))  # noqa: S102
         rc = 0
     except SystemExit as e:
         rc = 0 if e.code is None or e.code == 0 else 1

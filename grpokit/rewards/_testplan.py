@@ -12,8 +12,10 @@ from __future__ import annotations
 import ast
 import builtins
 import copy
+import functools
 import json
 import math
+import re
 from dataclasses import dataclass
 
 from ._values import _teval
@@ -56,21 +58,26 @@ class _Check:
     trusted: every value the sandbox sends for this test is the program's own output (see
     `_AssertPlanner.owned`), so forging one is no different from the program returning it: the
     test's expected values and its checking logic never leave this process.
+    redo: the test's own asserts as source, run by the sandbox in a second run when a value it
+    needs is not plain data (that verdict is untrusted); None when it cannot be written out.
     """
 
     pred: ast.expr | None
     leaves: int
     trusted: bool
     src: str  # the test's source, shortened, for CodeResult.detail
+    redo: str | None = None
 
 
 @dataclass(frozen=True)
 class TestPlan:
+    """Immutable (plans are cached per test text and shared between runs and threads)."""
+
     __test__ = False  # not a pytest test class
 
     mode: str  # "assert" | "io"
-    steps: list  # what the sandbox runs (JSON): assert steps, or the stdin of each io case
-    checks: list  # assert: one _Check per test; io: the expected stdout of each case
+    steps: tuple  # what the sandbox runs (JSON): assert steps, or the stdin of each io case
+    checks: tuple  # assert: one _Check per test; io: the expected stdout of each case
 
     @property
     def total(self) -> int:
@@ -78,40 +85,64 @@ class TestPlan:
 
     @property
     def untrusted(self) -> int:
+        """Tests whose verdict always comes from the sandbox (fixed by the tests' form)."""
         return sum(1 for c in self.checks if isinstance(c, _Check) and not c.trusted)
+
+    def redo_steps(self, tests) -> list:
+        """The steps of a second run in which each test of `tests` runs its own asserts in the
+        sandbox (a value it needs was not plain data); every other step as in the first run, so
+        the program sees the same sequence of calls. Only these tests' expected values are sent."""
+        redo = set(tests)
+        return [["run", s[1], self.checks[s[1]].redo] if s[0] == "eval" and s[1] in redo else list(s)
+                for s in self.steps]
 
 
 def plan_tests(tests) -> TestPlan:
-    """The plan for `tests` (an assert script or stdin/stdout cases); ValueError if unusable."""
+    """The plan for `tests` (an assert script or stdin/stdout cases); ValueError if unusable.
+    Plans of test text are cached: a test set is planned once, not once per completion."""
+    return _plan_text(tests) if isinstance(tests, str) else _plan(tests)
+
+
+@functools.lru_cache(maxsize=256)  # a batch has a few dozen test sets
+def _plan_text(tests: str) -> TestPlan:
+    return _plan(tests)
+
+
+def _plan(tests) -> TestPlan:
     cases = parse_io_tests(tests)
     if cases is not None:
-        return TestPlan("io", [i for i, _ in cases], [o for _, o in cases])
+        return TestPlan("io", tuple(i for i, _ in cases), tuple(o for _, o in cases))
     if not isinstance(tests, str):
         raise ValueError(f"tests must be a Python script or stdin/stdout cases, got {type(tests).__name__}")
     try:
         tree = ast.parse(tests, "<tests>", "exec")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
         raise ValueError(f"tests do not parse: {e}") from None
-    return _AssertPlanner(tree).plan()
+    return _AssertPlanner(tree, tests).plan()
 
 
 class _AssertPlanner:
-    """Every top-level `assert` is one test, and so is every top-level call (HumanEval's
-    `check(candidate)`); all other statements are setup, run in order in the sandbox.
+    """Every top-level `assert` is one test, and so is every top-level call of a function the
+    tests define (HumanEval's `check(candidate)`); all other statements are setup (`x = f(3)`,
+    `random.seed(0)`), run in order in the sandbox.
 
     An assert becomes an "eval" step: the sandbox evaluates its leaves (see `_Cutter`) at the
     assert's place in the sequence and sends their values. A call of a test function whose body
     is only asserts (`def check(candidate): assert candidate(1) == 2 ...`) is inlined the same
     way, and the function's definition is then not sent at all (its constants are the expected
-    values). Any other call becomes a "run" step whose verdict comes from the sandbox.
+    values). Any other call becomes a "run" step whose verdict comes from the sandbox, and so
+    does a test the planner cannot split (say, too deeply nested: RecursionError).
     """
 
-    def __init__(self, tree: ast.Module):
+    def __init__(self, tree: ast.Module, text: str):
         self.tree = tree
+        self.lines = [line.encode() for line in _LINES.findall(text)]  # as the tokenizer splits them
         self.bound = _bindings(tree)
         self.star = any(k.endswith(".*") for kinds in self.bound.values() for k in kinds)
         self.defs = {s.name: s for s in tree.body
                      if isinstance(s, ast.FunctionDef) and self.bound.get(s.name) == ["def"]}
+        self.test_functions = {s.name for s in tree.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        self.depends: dict[ast.AST, bool] = {}  # _Cutter._depends, memoised per node
         self.program_vars: set[str] = set()
         for s in tree.body:  # `sol = Solution()`, `res = f(x)`: test variables holding program output
             if (isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name)
@@ -146,36 +177,98 @@ class _AssertPlanner:
                                                 and node.id not in _BUILTIN_NAMES)
 
     def plan(self) -> TestPlan:
-        steps, checks, inlined, defined = [], [], set(), set()
+        steps, checks, stmts, origin, defined = [], [], [], {}, set()
         for stmt in self.tree.body:
+            call = stmt.value if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) else None
             if isinstance(stmt, ast.Assert):
-                asserts = [stmt.test]
-            elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
-                asserts = self._inline(stmt.value, defined)
+                asserts = [(stmt, stmt.test)]
+            elif call is not None and isinstance(call.func, ast.Name) and call.func.id in self.test_functions:
+                asserts = self._inline(call, defined)
                 if asserts is not None:
-                    inlined.add(stmt.value.func.id)
+                    origin[len(checks)] = call.func.id
             else:
                 steps.append(["exec", stmt])
                 if isinstance(stmt, ast.FunctionDef):
                     defined.add(stmt.name)
                 continue
-            k, src = len(checks), _short(ast.unparse(stmt))
-            if asserts is None:
-                checks.append(_Check(None, 0, False, src))
-                steps.append(["run", k, stmt])
-                continue
-            cutter = _Cutter(self)
-            parts = [cutter.cut(e)[0] for e in asserts]
-            pred = parts[0] if len(parts) == 1 else ast.BoolOp(ast.And(), parts)
-            checks.append(_Check(pred, len(cutter.leaves), cutter.trusted, src))
-            steps.append(["eval", k, cutter.leaves])
-        steps = self._drop_inlined_defs(steps, inlined)
-        return TestPlan("assert", [_unparse_step(s) for s in steps], checks)
+            check, step = self._test(len(checks), stmt, asserts)
+            checks.append(check)
+            stmts.append(stmt)
+            steps.append(step)
+        steps, sent_defs = self._drop_inlined_defs(steps, set(origin.values()))
+        checks = [_untrust(c) if origin.get(k) in sent_defs else c for k, c in enumerate(checks)]
+        checks = self._not_sent(checks, stmts, steps)
+        return TestPlan("assert", tuple(self._wire(s) for s in steps), tuple(checks))
 
-    def _inline(self, call: ast.Call, defined: set[str]) -> list[ast.expr] | None:
-        """The asserts of `f(arg)`, with f's parameter replaced by arg; None when f is not a
-        one-parameter function of the tests, defined above, made of asserts only, or arg is not
-        a plain name."""
+    def _test(self, k: int, stmt: ast.stmt, asserts: list | None) -> tuple[_Check, list]:
+        """(check, step) for test k: `asserts` are its (assert statement, condition) pairs, None
+        when only the sandbox can run it."""
+        src = _short(self.source(stmt))
+        unsplit = _Check(None, 0, False, src), ["run", k, stmt]
+        if asserts is None:
+            return unsplit
+        try:
+            cutter = _Cutter(self)
+            parts = [cutter.cut(test)[0] for _, test in asserts]
+            pred = parts[0] if len(parts) == 1 else ast.BoolOp(ast.And(), parts)
+            leaves = [ast.unparse(leaf) for leaf in cutter.leaves]
+        except Exception:  # noqa: BLE001 - RecursionError on deep nesting, or a bug here: the sandbox runs it
+            return unsplit
+        return _Check(pred, len(leaves), cutter.trusted, src, self._redo(stmt, asserts)), ["eval", k, cutter.leaves, leaves]
+
+    def _redo(self, stmt: ast.stmt, asserts: list) -> str | None:
+        if isinstance(stmt, ast.Assert):
+            return self.source(stmt)
+        try:  # an inlined check(): its asserts with the parameter replaced
+            return "\n".join(ast.unparse(ast.Assert(test, None)) for _, test in asserts)
+        except RecursionError:
+            return None
+
+    def source(self, stmt: ast.stmt) -> str:
+        """A statement's own text (not re-generated: unparse recurses, and may fail). What
+        `ast.get_source_segment` gives, without splitting the whole text again at every call."""
+        first, last = stmt.lineno - 1, stmt.end_lineno - 1  # columns count UTF-8 bytes
+        if first == last:
+            return self.lines[first][stmt.col_offset:stmt.end_col_offset].decode()
+        parts = [self.lines[first][stmt.col_offset:], *self.lines[first + 1:last], self.lines[last][:stmt.end_col_offset]]
+        return b"".join(parts).decode()
+
+    def _not_sent(self, checks: list, stmts: list, steps: list) -> list:
+        """Defensive check: a test stays trusted only if none of its asserts reaches the sandbox,
+        neither as text (a string holding it) nor as the same condition inside a statement that
+        is sent (the check() definition, a helper function repeating it)."""
+        sent = [s[1] if s[0] == "exec" else s[2] for s in steps if s[0] != "eval"]
+        text = "\n".join(self.source(node) for node in sent)
+        conditions = {_dump(n.test) for node in sent for n in ast.walk(node) if isinstance(n, ast.Assert)}
+        conditions.discard(None)
+
+        def leaks(a: ast.Assert) -> bool:
+            condition = _dump(a.test)
+            return condition is None or condition in conditions or self.source(a) in text
+
+        return [_untrust(c) if c.trusted and any(map(leaks, self._asserts_of(stmt))) else c
+                for c, stmt in zip(checks, stmts)]
+
+    def _asserts_of(self, stmt: ast.stmt) -> list[ast.Assert]:
+        """The assert statements that hold a test's expected values: the assert itself, or the
+        body of the check() it inlines."""
+        if isinstance(stmt, ast.Assert):
+            return [stmt]
+        fn = self.defs.get(stmt.value.func.id)
+        return [s for s in fn.body if isinstance(s, ast.Assert)] if fn else []
+
+    def _wire(self, step: list) -> tuple:
+        """A step as the JSON the sandbox gets (statements as their source text)."""
+        if step[0] == "exec":
+            return ("exec", self.source(step[1]))
+        if step[0] == "run":
+            return ("run", step[1], self.source(step[2]))
+        return ("eval", step[1], tuple(step[3]))
+
+    def _inline(self, call: ast.Call, defined: set[str]) -> list | None:
+        """The asserts of `f(arg)` as (assert, condition) pairs, with f's parameter replaced by
+        arg; None when f is not a one-parameter function of the tests, defined above, made of
+        asserts only, or arg is not a plain name."""
         fn = self.defs.get(call.func.id) if isinstance(call.func, ast.Name) else None
         if fn is None or fn.name not in defined:
             return None
@@ -189,24 +282,35 @@ class _AssertPlanner:
         if not body or not all(isinstance(s, ast.Assert) for s in body):
             return None
         param, arg = a.args[0].arg, call.args[0]
-        return [_Substitute(param, arg).visit(copy.deepcopy(s.test)) for s in body]
+        try:
+            return [(s, _Substitute(param, arg).visit(copy.deepcopy(s.test))) for s in body]
+        except RecursionError:
+            return None
 
     @staticmethod
-    def _drop_inlined_defs(steps: list, inlined: set[str]) -> list:
-        """Leave out the definitions of inlined test functions that nothing sent still uses."""
+    def _drop_inlined_defs(steps: list, inlined: set[str]) -> tuple[list, set[str]]:
+        """Leave out the definitions of inlined test functions that nothing sent still uses;
+        also returns the names of those that are sent all the same (`alias = check`): the
+        tests inlined from them are not trusted, since their expected values reach the sandbox."""
         dropped = lambda s: s[0] == "exec" and isinstance(s[1], ast.FunctionDef) and s[1].name in inlined  # noqa: E731
         sent = [s[1] for s in steps if s[0] == "exec" and not dropped(s)]
         sent += [s[2] for s in steps if s[0] == "run"] + [leaf for s in steps if s[0] == "eval" for leaf in s[2]]
         used = {n.id for tree in sent for n in ast.walk(tree) if isinstance(n, ast.Name)}
-        return [s for s in steps if not (dropped(s) and s[1].name not in used)]
+        return [s for s in steps if not (dropped(s) and s[1].name not in used)], inlined & used
 
 
-def _unparse_step(step: list) -> list:
-    if step[0] == "exec":
-        return ["exec", ast.unparse(step[1])]
-    if step[0] == "run":
-        return ["run", step[1], ast.unparse(step[2])]
-    return ["eval", step[1], [ast.unparse(leaf) for leaf in step[2]]]
+_LINES = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
+
+
+def _untrust(check: _Check) -> _Check:
+    return _Check(check.pred, check.leaves, False, check.src, check.redo)
+
+
+def _dump(node: ast.AST) -> str | None:
+    try:
+        return ast.dump(node)
+    except RecursionError:
+        return None
 
 
 def _short(src: str, n: int = 80) -> str:
@@ -352,9 +456,13 @@ class _Cutter:
             self.leaves[k] = ast.List([ast.Starred(self.leaves[k], ast.Load())], ast.Load())
 
     def _depends(self, call: ast.Call) -> bool:
-        """Whether some argument needs the sandbox (checked on a throwaway cutter)."""
-        probe = _Cutter(self.p)
-        return any(probe.cut(a)[1] for a in [*call.args, *(k.value for k in call.keywords)])
+        """Whether some argument needs the sandbox (checked on a throwaway cutter). Memoised per
+        node: without it nested calls (`abs(abs(abs(...)))`) cost 2**depth."""
+        memo = self.p.depends
+        if call not in memo:
+            probe = _Cutter(self.p)
+            memo[call] = any(probe.cut(a)[1] for a in [*call.args, *(k.value for k in call.keywords)])
+        return memo[call]
 
     def _builtin(self, call: ast.Call) -> str | None:
         """The canonical name of the parent-side function `call` uses, or None. A name the tests

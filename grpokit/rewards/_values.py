@@ -35,7 +35,12 @@ _COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, as
 
 
 class _LeafError(Exception):
-    """The sandbox could not give a leaf's value (it raised, or was not plain data)."""
+    """The sandbox could not give a leaf's value (it raised, or was too large to send)."""
+
+
+class _NotPlain(_LeafError):
+    """The leaf's value is not plain data (the program's own class, a dict view, ...): only the
+    sandbox can judge the test, by running its original assert (`_judge.py`)."""
 
 
 def _teval(node: ast.expr, leaf):
@@ -153,12 +158,52 @@ def _call(name: str, args: list, kwargs: dict):
         return total
     if name in ("set", "frozenset") and args:
         args = [_hash_safe(list(args[0]))]
-    if name in ("Decimal", "Fraction"):
-        args = [_num(a) if type(a) is int else a for a in args]
-        return _num((Decimal if name == "Decimal" else Fraction)(*args))
-    if name == "int" and args and type(args[0]) in _NUMBERS:
-        _num(args[0])  # int(Decimal('1e999999999')) would build a huge integer
+    if name in _CONVERTERS:  # Fraction(Decimal('1e10000000')), int('9' * 10**6): hours of CPU
+        args = [_convertible(a) for a in args]
+        if name in ("Decimal", "Fraction"):
+            return _num((Decimal if name == "Decimal" else Fraction)(*args))
+    if name == "str" and args:
+        _printable(args[0])
     return _sized_result(_PLAIN[name](*args, **kwargs))
+
+
+_CONVERTERS = {"Decimal", "Fraction", "int", "float", "complex"}
+_TEXT_MAX = 4300  # characters of a number's text (CPython's own default limit for int(str))
+_EXPONENT = re.compile(r"[eE]\s*[+-]?\s*([0-9_]+)")
+
+
+def _convertible(x):
+    """`x` if a number constructor may take it: a number small enough to compute with, or text
+    that is short and has no huge exponent (`Fraction('1e10000000')` builds 10**10000000)."""
+    if type(x) in _NUMBERS:
+        return _num(x)
+    if type(x) in (str, bytes):
+        text = x if type(x) is str else x.decode("latin-1")
+        if len(text) > _TEXT_MAX:
+            raise ValueError("number text too long to convert here")
+        for digits in _EXPONENT.findall(text):
+            digits = digits.replace("_", "").lstrip("0")
+            if len(digits) > 5 or int(digits or 0) > 10_000:
+                raise ValueError("exponent too large to convert here")
+    return x
+
+
+def _printable(x) -> None:
+    """Refuse to print a value holding a huge number: int-to-decimal text is quadratic (with
+    CPython's digit limit lifted, str() of a 2**22-bit integer takes half a minute)."""
+    stack, seen = [x], 0
+    while stack:
+        v = stack.pop()
+        seen += 1
+        if type(v) in (int, Fraction):
+            _num(v)
+        elif type(v) in (list, tuple, set, frozenset):
+            stack.extend(v)
+        elif type(v) is dict:
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        if seen > _SEQ_MAX:
+            raise ValueError("value too large to print here")
 
 
 def _pow(a, b, m=None):
@@ -196,7 +241,8 @@ _HEX = re.compile(r"-?[0-9a-f]+")
 def decode_value(x, depth: int = 0):
     """Rebuild a value the harness sent (`_sandbox_launcher.encode_value` is the inverse). Only
     plain builtin values (and stdlib Fraction/Decimal, compared by the parent's own classes) can
-    come out; anything else raises ValueError, an error marker raises _LeafError."""
+    come out; anything else raises ValueError, an error marker ("!") _LeafError, and the marker
+    of a value that is not plain data ("?") _NotPlain."""
     if depth > 100:
         raise ValueError("value nested too deeply")
     t = type(x)
@@ -223,8 +269,10 @@ def decode_value(x, depth: int = 0):
         return bytes.fromhex(v)
     if tag == "q" and type(v) is list and len(v) == 2:
         num, den = (decode_value(e, depth + 1) for e in v)
-        if type(num) is int and type(den) is int and den:
-            return _num(Fraction(_num(num), _num(den)))
+        if type(num) is int and type(den) is int and den:  # bounded before Fraction's gcd runs
+            return Fraction(_num(Fraction(num)), _num(Fraction(den)))
     if tag == "D" and type(v) is str and len(v) <= 1000:
-        return Decimal(v)
+        return Decimal(v)  # text is cheap to compare; conversions and arithmetic go through _num
+    if tag == "?":
+        raise _NotPlain(str(v)[:200])
     raise ValueError(f"not an encoded value (tag {str(tag)[:20]!r})")

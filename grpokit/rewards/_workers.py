@@ -3,7 +3,10 @@
 Why processes: sympy (under math-verify) can spend unbounded time inside C code (big-integer
 powers), where neither signals nor threads can stop it, and it is not thread-safe with
 math-verify's SIGALRM timeouts. A worker that overruns is killed (SIGKILL to its session) and a
-replacement is started at once, so its import cost overlaps with the next call.
+replacement is started at once, so its import cost overlaps with the next call. Only the SIGKILL
+is sent on the caller's path: reaping the killed process (which may take a while to release
+gigabytes) and starting the replacement happen in a background thread, so a timed-out call
+returns as soon as its time is up.
 
 Nothing starts at import: the first call starts the workers (about half a second each).
 """
@@ -87,11 +90,15 @@ class _Worker:
             if rep.get("id") == self.next_id:
                 return rep
 
-    def kill(self) -> None:
+    def signal_kill(self) -> None:
+        """SIGKILL to the worker's session; does not wait (one system call)."""
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except OSError:
             pass
+
+    def kill(self) -> None:
+        self.signal_kill()
         for f in (self.proc.stdin, self.proc.stdout):
             try:
                 f.close()
@@ -112,6 +119,7 @@ class WorkerPool:
         self.pid = os.getpid()
         self.idle: list[_Worker] = []
         self.count = 0
+        self.closed = False
         self.cv = threading.Condition()
 
     def _acquire(self) -> _Worker:
@@ -132,18 +140,34 @@ class WorkerPool:
             raise WorkerError(f"cannot start checker process: {e}") from None
 
     def _release(self, w: _Worker, healthy: bool) -> None:
-        if not healthy:
-            w.kill()
-            try:
-                w = _Worker(self.script)  # replacement starts importing right away
-            except OSError:
-                w = None
+        if healthy:
+            with self.cv:
+                self.idle.append(w)
+                self.cv.notify()
+            return
+        # Off the caller's path: the caller only sends SIGKILL and returns at once; the slot stays
+        # taken until the replacement is in `idle` (so at most `size` checkers ever work at once).
+        w.signal_kill()
+        try:
+            threading.Thread(target=self._replace, args=(w,), name="checker-respawn", daemon=True).start()
+        except RuntimeError:  # no thread to be had: replace it here rather than lose the slot
+            self._replace(w)
+
+    def _replace(self, dead: _Worker) -> None:
+        try:
+            new = _Worker(self.script)  # starts importing right away, while the old one is reaped
+        except Exception:  # noqa: BLE001 - the slot must be given back whatever happened
+            new = None
         with self.cv:
-            if w is None:
+            unwanted = new is not None and self.closed
+            if new is None or unwanted:
                 self.count -= 1
             else:
-                self.idle.append(w)
+                self.idle.append(new)
             self.cv.notify()
+        if unwanted:
+            new.kill()
+        dead.kill()  # closes its pipes and reaps it (no zombie)
 
     def call(self, req: dict, timeout_s: float) -> dict | None:
         """Reply dict, or None on timeout. Raises WorkerError when no worker can answer."""
@@ -161,5 +185,7 @@ class WorkerPool:
             return
         with self.cv:
             idle, self.idle = self.idle, []
+            self.count -= len(idle)
+            self.closed = True
         for w in idle:
             w.kill()

@@ -3,8 +3,9 @@
     code_tests = passed / total            (all_or_nothing=True: 1.0 only if every test passed)
 
 Tests come from a dataset column (`tests` by default) in one of two forms:
-- an assert script: every top-level `assert` (or top-level call such as `check(f)`) is one test,
-  run in order in the program's namespace after the program (`__name__` is not "__main__");
+- an assert script: every top-level `assert` (or top-level call of a function the tests define,
+  such as `check(f)`) is one test, run in order in the program's namespace after the program
+  (`__name__` is not "__main__"); other statements (`random.seed(0)`, `x = f(3)`) are setup;
 - stdin/stdout cases: `[{"input": ..., "output": ...}, ...]` or `{"inputs": [...], "outputs": [...]}`
   (or that as JSON text); the program runs once per case, in a fresh process, as `__main__`;
   whitespace-insensitive comparison, numbers within 1e-6.
@@ -12,13 +13,15 @@ Tests come from a dataset column (`tests` by default) in one of two forms:
 Who decides a test passed: the trainer, never the sandboxed process. The sandbox only evaluates
 expressions (`add(1, 2)`) and runs programs on stdin; it sends back plain data (values of builtin
 types, captured stdout), and the trainer compares that with expected values it never sent. Tests
-it cannot judge that way (e.g. a loop of asserts inside `check`) are reported by the sandbox and
-counted in `CodeResult.untrusted`: a hostile program can forge those (`trusted_only=True` scores
-them 0). docs/rewards.md has the details and the threat model.
+it cannot judge that way (e.g. a loop of asserts inside `check`, or a value of the program's own
+class) are reported by the sandbox and counted in `CodeResult.untrusted`: a hostile program can
+forge those (`trusted_only=True` leaves them out). docs/rewards.md has the details and the threat
+model.
 
 Scores: no code block -> 0.0; a program that does not compile, crashes, times out or exceeds its
 memory -> the fraction it passed before (usually 0.0); tests that do not parse, or a sandbox that
-fails to start -> None (not the model's fault).
+fails to start -> None (not the model's fault); with `trusted_only=True`, tests none of which the
+trainer can judge itself -> None (no signal rather than a flat 0).
 
 The sandbox (`_sandbox.py`, `_sandbox_launcher.py`, threat model in docs/rewards.md) runs each
 program in a fresh process tree with limits, namespaces where the machine allows, and a hard
@@ -108,14 +111,15 @@ def run_tests_batch(programs: list[str], tests: list, *, max_workers: int | None
     return [done[first[key(i)]] for i in range(len(programs))]
 
 
-@register("code_tests")
+@register("code_tests", own_time_limit=True)
 def code_tests(prompts, completions, *, tests_column: str = "tests", all_or_nothing: bool = False,
                trusted_only: bool = False, timeout_s: float = 5.0, memory_mb: int = 512,
                max_workers: int | None = None, **columns) -> list[float | None]:
     """Fraction of the tests the completion's program passes (see the module docstring).
 
-    trusted_only: count only passes the trainer judged itself; a test whose verdict comes from
-    inside the sandbox (`CodeResult.untrusted`) scores 0 even when reported as passed.
+    trusted_only: score only the tests the trainer judges itself: its passes over
+    `CodeResult.trusted_total`; a test whose verdict came from inside the sandbox (a value that
+    was not plain data) counts as failed, and a test set without such tests scores None.
     """
     if tests_column not in columns:
         raise KeyError(f"code_tests needs the dataset column {tests_column!r} (have: {sorted(columns)})")
@@ -128,11 +132,20 @@ def code_tests(prompts, completions, *, tests_column: str = "tests", all_or_noth
                               timeout_s=timeout_s, memory_mb=memory_mb)
     scores: list[float | None] = [None if t is None else 0.0 for t in tests]
     for i, res in zip(todo, results):
-        passed = res.passed - res.untrusted_passed if trusted_only else res.passed
-        if res.status == "error" or res.total == 0:
-            scores[i] = None
-        elif all_or_nothing:
-            scores[i] = 1.0 if res.status == "ok" and passed == res.total else 0.0
-        else:
-            scores[i] = passed / res.total
+        scores[i] = _score(res, all_or_nothing, trusted_only)
     return scores
+
+
+def _score(res: CodeResult, all_or_nothing: bool, trusted_only: bool) -> float | None:
+    """passed / total; with trusted_only, the trainer's own passes over the tests it can judge
+    (`trusted_total`, fixed by the tests: a program cannot shrink it), None when there are none."""
+    if res.status == "error" or res.total == 0 or (trusted_only and res.trusted_total == 0):
+        return None
+    if trusted_only:
+        passed, total = res.passed - res.untrusted_passed, res.trusted_total
+        finished = res.status in ("ok", "failed")  # failures left are the untrusted tests'
+    else:
+        passed, total, finished = res.passed, res.total, res.status == "ok"
+    if all_or_nothing:
+        return 1.0 if finished and passed == total else 0.0
+    return passed / total

@@ -4,13 +4,17 @@
                                               the sample from group statistics, advantage 0)
 
 Containment: a reward that raises (anything but KeyboardInterrupt, `sys.exit()` included),
-returns the wrong number of values or a non-number, or runs past its `timeout_s` (default
-`DEFAULT_TIMEOUT_S`, 300 s per call) scores None for that call's samples, counts them in
-`reward/<name>/errors`, and logs its first traceback once (logger `grpokit.rewards`). Training
-never stops for it. A reward with a budget runs in a daemon thread; a timed out one keeps running
-there, abandoned (Python cannot kill a thread); the built-in math and code rewards have their own
-hard limits, so theirs end on their own. `timeout_s: null` runs a reward in the caller's thread
-with no budget (needed by a reward that sets signal handlers, which only the main thread may do).
+returns the wrong number of values or a non-number, or runs past its `timeout_s` scores None for
+that call's samples, counts them in `reward/<name>/errors`, and logs its first traceback once
+(logger `grpokit.rewards`). Training never stops for it. `timeout_s: "auto"` (the default) is
+`DEFAULT_TIMEOUT_S` (300 s per call) for a plain reward, and no budget for one registered with
+`own_time_limit=True` (math_accuracy, math_accuracy_alt, code_tests): those bound every sample
+themselves and score an overrun as a wrong answer, while a budget over the whole batch would score
+a batch of slow pathological answers None (advantage 0, no penalty) and abandon a thread still
+using their checkers. A reward with a budget runs in a daemon thread; a timed out one keeps
+running there, abandoned (Python cannot kill a thread). `timeout_s: null` runs a reward in the
+caller's thread with no budget (needed by a reward that sets signal handlers, which only the main
+thread may do).
 
 Cross-checking (`CrossCheck`): on a random `fraction` of the samples the primary reward's scores
 are compared with an independent checker (a registered reward such as `math_accuracy_alt`, or any
@@ -43,7 +47,7 @@ import sys
 import threading
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
@@ -53,7 +57,27 @@ logger = logging.getLogger("grpokit.rewards")
 
 DEFAULT_TIMEOUT_S = 300.0
 """Default time budget of one reward call (all samples of the batch) and of one checker call: a
-custom reward that hangs costs at most this per step instead of stalling training forever."""
+custom reward that hangs costs at most this per step instead of stalling training forever. Not
+applied by default to a reward registered with `own_time_limit=True` (see `resolve_timeout`)."""
+
+AUTO = "auto"
+
+
+def resolve_timeout(timeout_s, fn) -> float | None:
+    """The budget a spec's `timeout_s` means for `fn`: "auto" is no budget for a reward that
+    declares its own per-sample limits (`own_time_limit`), else `DEFAULT_TIMEOUT_S`; a number or
+    None (no budget) is taken as given."""
+    if timeout_s == AUTO:
+        return None if getattr(fn, "own_time_limit", False) else DEFAULT_TIMEOUT_S
+    return timeout_s
+
+
+def _check_timeout(v):
+    if v is None or v == AUTO:
+        return v
+    if isinstance(v, str) or not isinstance(v, numbers.Real) or not v > 0:
+        raise ValueError(f"timeout_s must be > 0, null or 'auto', got {v!r}")
+    return float(v)
 
 
 def _suggest(word: str, options) -> str:
@@ -72,9 +96,10 @@ class RewardSpec(BaseModel):
     """Multiplier in the total; 0 keeps it as a logged metric only."""
     args: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments bound to the reward function."""
-    timeout_s: float | None = DEFAULT_TIMEOUT_S
+    timeout_s: float | None | Literal["auto"] = AUTO
     """Time budget of one call (all samples of the batch), in seconds; None: no budget (the
-    reward then runs in the caller's thread, so a reward that hangs stalls training)."""
+    reward then runs in the caller's thread, so a reward that hangs stalls training); "auto":
+    `DEFAULT_TIMEOUT_S`, or no budget for a reward registered with `own_time_limit=True`."""
 
     @model_validator(mode="before")
     @classmethod
@@ -94,8 +119,8 @@ class RewardSpec(BaseModel):
 
     @field_validator("timeout_s")
     @classmethod
-    def _positive(cls, v: float | None) -> float | None:
-        if v is not None and not v > 0:
+    def _positive(cls, v):
+        if v is not None and v != AUTO and not v > 0:
             raise ValueError("timeout_s must be > 0")
         return v
 
@@ -118,12 +143,14 @@ class CrossCheck:
     """Scores further apart than this disagree."""
     seed: int = 0
     """Seed of the sampling of checked samples."""
-    timeout_s: float | None = DEFAULT_TIMEOUT_S
-    """Time budget of one checker call, in seconds; None: no budget."""
+    timeout_s: float | None | str = AUTO
+    """Time budget of one checker call, in seconds; None: no budget; "auto": `DEFAULT_TIMEOUT_S`,
+    or no budget for a checker registered with `own_time_limit=True` (e.g. math_accuracy_alt)."""
 
     def __post_init__(self):
         if not 0.0 <= self.fraction <= 1.0:
             raise ValueError(f"CrossCheck.fraction must be in [0, 1], got {self.fraction}")
+        self.timeout_s = _check_timeout(self.timeout_s)
 
 
 @dataclass
@@ -173,7 +200,10 @@ class RewardSet:
 
     def __init__(self, specs: list[RewardSpec], fns: list[Callable], crosscheck: CrossCheck | None = None,
                  checker_fn: Callable | None = None, checker_args: dict | None = None):
+        # "auto" budgets are resolved here, against the functions (see `resolve_timeout`)
+        specs = [s.model_copy(update={"timeout_s": resolve_timeout(s.timeout_s, f)}) for s, f in zip(specs, fns)]
         self.specs, self.fns = specs, fns
+        self.checker_timeout_s = resolve_timeout(crosscheck.timeout_s, checker_fn) if crosscheck else None
         self.crosscheck, self._checker_fn, self._checker_args = crosscheck, checker_fn, checker_args or {}
         self._rng = random.Random(crosscheck.seed if crosscheck else 0)
         self._logged: set[str] = set()
@@ -314,7 +344,7 @@ class RewardSet:
         if not idx:
             return metrics
         sub_cols = {k: [v[i] for i in idx] for k, v in columns.items()}
-        checked = self._invoke("checker", self._checker_fn, {**sub_cols, **self._checker_args}, cc.timeout_s,
+        checked = self._invoke("checker", self._checker_fn, {**sub_cols, **self._checker_args}, self.checker_timeout_s,
                                [prompts[i] for i in idx], [completions[i] for i in idx])
         if checked is None:
             metrics["reward/checker/errors"] = float(len(idx))

@@ -14,7 +14,9 @@ symbols, LaTeX thousands separators, "degrees"); an identical answer never leave
 Every other comparison runs in a checker process with a hard time limit (default 1.5 s for the
 whole completion: a timer inside the checker stops most overruns at 70% of it, the parent kills
 the process at 100%), so `10^{10^{10^{10}}}` returns False within 2 s; a timeout scores 0, never
-None, so a model cannot escape a bad score by producing pathological answers.
+None, so a model cannot escape a bad score by producing pathological answers. Both rewards are
+registered with `own_time_limit=True`, so by default the composer puts no budget over the whole
+batch (which, exceeded by many slow answers, would score every sample None).
 
 `math_accuracy_alt` is the independent cross-checker (own extraction, sympy-only equivalence,
 `_mathalt.py`), meant for `CrossCheck`, not for training on.
@@ -182,7 +184,7 @@ def _refs(name: str, column: str, columns: dict, n: int) -> list:
     return refs
 
 
-@register("math_accuracy")
+@register("math_accuracy", own_time_limit=True)
 def math_accuracy(prompts, completions, *, answer_column: str = "answer",
                   timeout_s: float = DEFAULT_TIMEOUT_S, **columns) -> list[float | None]:
     """1.0 if the completion's final answer is equivalent to the reference, else 0.0."""
@@ -190,7 +192,7 @@ def math_accuracy(prompts, completions, *, answer_column: str = "answer",
     return _batch(judge, completions, refs, timeout_s)
 
 
-@register("math_accuracy_alt")
+@register("math_accuracy_alt", own_time_limit=True)
 def math_accuracy_alt(prompts, completions, *, answer_column: str = "answer",
                       timeout_s: float = DEFAULT_TIMEOUT_S, **columns) -> list[float | None]:
     """Independent second checker for `CrossCheck` (see the module docstring)."""

@@ -23,8 +23,13 @@ class RewardFn(Protocol):
 REGISTRY: dict[str, Callable[..., list]] = {}
 
 
-def register(name: str):
-    """Decorator: `@register("math_accuracy")` makes the function selectable from config."""
+def register(name: str, *, own_time_limit: bool = False):
+    """Decorator: `@register("math_accuracy")` makes the function selectable from config.
+
+    own_time_limit=True declares that the reward bounds every sample itself (a hard per-sample
+    limit after which the sample scores, e.g. 0 for a timeout) and always returns; it then runs
+    without the composer's per-call budget unless its config sets `timeout_s` (a budget over the
+    whole batch would turn a batch of slow, pathological answers into None, i.e. no penalty)."""
 
     def deco(fn):
         old = REGISTRY.get(name)
@@ -33,6 +38,7 @@ def register(name: str):
             raise ValueError(f"reward {name!r} is already registered by {ident(old)[0]}.{ident(old)[1]}")
         REGISTRY[name] = fn
         fn.reward_name = name
+        fn.own_time_limit = bool(own_time_limit)
         return fn
 
     return deco

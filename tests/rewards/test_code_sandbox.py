@@ -149,10 +149,10 @@ def test_values_of_builtin_types_are_compared_by_the_trainer():
     assert (r.status, r.passed, r.total, r.untrusted) == ("ok", 10, 10, 0), r.detail
 
 
-def test_a_value_that_is_not_plain_data_fails_with_a_reason():
+def test_a_value_that_is_not_plain_data_is_judged_in_the_sandbox_untrusted():
     r = run_tests("class P:\n    pass\ndef f():\n    return P()\n", "assert f() == 1\nassert f() is not None\n", timeout_s=2)
-    assert (r.status, r.passed) == ("failed", 0)
-    assert "not plain data" in r.detail
+    assert (r.status, r.passed, r.untrusted, r.untrusted_passed, r.trusted_total) == ("failed", 1, 2, 1, 2)
+    assert "test 1" in r.detail and "not plain data" in r.detail
 
 
 def test_humaneval_check_is_inlined_and_its_expected_values_stay_in_the_trainer():
@@ -160,22 +160,164 @@ def test_humaneval_check_is_inlined_and_its_expected_values_stay_in_the_trainer(
 
     tests = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert abs(candidate(0.5, 0.25) - 0.75) < 1e-6\ncheck(add)\n"
     plan = plan_tests(tests)
-    assert plan.steps == [["eval", 0, ["add(2, 3)", "add(0.5, 0.25)"]]]  # no `def check`: no 5, no 0.75
+    assert plan.steps == (("eval", 0, ("add(2, 3)", "add(0.5, 0.25)")),)  # no `def check`: no 5, no 0.75
     assert (plan.total, plan.untrusted) == (1, 0)
     assert run_tests(ADD, tests, timeout_s=2).status == "ok"
     assert run_tests("def add(a, b):\n    return a * b\n", tests, timeout_s=2).status == "failed"
 
 
-def test_untrusted_tests_are_counted_and_trusted_only_scores_them_zero():
+def test_untrusted_tests_are_counted_and_trusted_only_leaves_them_out():
     # a loop inside check() cannot be split: its verdict comes from the sandbox (forgeable)
     tests = "def check(f):\n    for i in range(3):\n        assert f(i, 1) == i + 1\ncheck(add)\nassert add(1, 1) == 2\n"
     r = run_tests(ADD, tests, timeout_s=2)
-    assert (r.status, r.passed, r.total, r.untrusted, r.untrusted_passed) == ("ok", 2, 2, 1, 1)
+    assert (r.status, r.passed, r.total, r.untrusted, r.untrusted_passed, r.trusted_total) == ("ok", 2, 2, 1, 1, 1)
     fn = REGISTRY["code_tests"]
     comp = "```python\n" + ADD + "```"
     assert fn(["p"], [comp], timeout_s=2, tests=[tests]) == [1.0]
-    assert fn(["p"], [comp], timeout_s=2, trusted_only=True, tests=[tests]) == [0.5]
-    assert fn(["p"], [comp], timeout_s=2, trusted_only=True, all_or_nothing=True, tests=[tests]) == [0.0]
+    assert fn(["p"], [comp], timeout_s=2, trusted_only=True, tests=[tests]) == [1.0]
+    assert fn(["p"], [comp], timeout_s=2, trusted_only=True, all_or_nothing=True, tests=[tests]) == [1.0]
+    # a forged pass of the untrusted test does not help a program that fails the trusted one
+    wrong = "```python\ndef add(a, b):\n    return a + b if a != 1 else 0\n```"
+    assert fn(["p"], [wrong], timeout_s=2, trusted_only=True, tests=[tests]) == [0.0]
+
+
+_OBJECTS = (
+    "class P:\n"
+    "    def __init__(self, x):\n        self.x = x\n"
+    "    def __eq__(self, other):\n        return isinstance(other, P) and other.x == self.x\n"
+    "    def __hash__(self):\n        return hash(self.x)\n"
+    "    def __repr__(self):\n        return f'P({self.x})'\n"
+    "    def __len__(self):\n        return self.x\n"
+    "def mk(x):\n    return P(x)\n"
+    "def keys():\n    return {1: 'a', 2: 'b'}.keys()\n"
+    "def total(xs):\n    return sum(xs)\n"
+)
+_OBJECT_TESTS = (
+    'assert str(mk(1)) == "P(1)"\nassert mk(1) == P(1)\nassert len(mk(3)) == 3\nassert isinstance(mk(1), P)\n'
+    "assert 1 in keys()\nassert mk(2).x == 2\nassert total([1, 2]) == 3\n"
+)
+
+
+def test_programs_returning_their_own_objects_are_judged_in_the_sandbox_untrusted():
+    # values that cannot travel as plain data: a second run has the sandbox run those asserts
+    r = run_tests(_OBJECTS, _OBJECT_TESTS, timeout_s=3)
+    assert (r.status, r.passed, r.total, r.untrusted, r.untrusted_passed, r.trusted_total) == ("ok", 7, 7, 5, 5, 7), r.detail
+    wrong = _OBJECTS.replace("return P(x)", "return P(x + 1)")
+    r = run_tests(wrong, _OBJECT_TESTS, timeout_s=3)
+    assert (r.status, r.passed, r.untrusted_passed) == ("failed", 3, 2) and "test 1: failed in the sandbox" in r.detail
+    fn = REGISTRY["code_tests"]
+    comp = "```python\n" + _OBJECTS + "```"
+    assert fn(["p"], [comp], timeout_s=3, tests=[_OBJECT_TESTS]) == [1.0]
+    assert fn(["p"], [comp], timeout_s=3, trusted_only=True, tests=[_OBJECT_TESTS]) == [pytest.approx(2 / 7)]
+    # linked lists and trees: the program's node classes, compared with nodes the test builds
+    nodes = (
+        "from dataclasses import dataclass\n"
+        "@dataclass\nclass TreeNode:\n    val: int\n    left: 'TreeNode' = None\n    right: 'TreeNode' = None\n"
+        "def invert(t):\n    return t and TreeNode(t.val, invert(t.right), invert(t.left))\n"
+        "class ListNode:\n    def __init__(self, val, next=None):\n        self.val, self.next = val, next\n"
+        "def reverse(head, prev=None):\n    return reverse(head.next, ListNode(head.val, prev)) if head else prev\n"
+    )
+    tests = (
+        "assert invert(TreeNode(1, TreeNode(2), TreeNode(3))) == TreeNode(1, TreeNode(3), TreeNode(2))\n"
+        "assert invert(None) is None\n"
+        "head = reverse(ListNode(1, ListNode(2)))\n"
+        "assert head.val == 2 and head.next.val == 1\nassert isinstance(head, ListNode)\n"
+    )
+    r = run_tests(nodes, tests, timeout_s=3)
+    assert (r.status, r.passed, r.total, r.untrusted) == ("ok", 4, 4, 2), r.detail
+
+
+def test_objects_that_are_not_plain_data_never_crash_the_harness():
+    prog = (
+        "import sys\n"
+        "class Meta(type):\n"
+        "    @property\n    def __module__(cls):\n        raise KeyboardInterrupt\n"
+        "class Bad(metaclass=Meta):\n"
+        "    def __eq__(self, other):\n        raise SystemExit(0)\n"
+        "    def __hash__(self):\n        raise KeyboardInterrupt\n"
+        "    def __repr__(self):\n        raise RecursionError\n"
+        "    def __len__(self):\n        raise MemoryError\n"
+        "class Plain:\n    pass\n"
+        "loop = []\nloop.append(loop)\n"
+        "values = {'bad': Bad(), 'plain': Plain(), 'keys': {1: 2}.keys(), 'items': {1: 2}.items(),\n"
+        "          'gen': (i for i in range(3)), 'module': sys, 'type': Plain, 'loop': loop,\n"
+        "          'in_dict': {Plain(): 1}, 'in_list': [1, Plain()]}\n"
+        "def f(name):\n    return values[name]\n"
+        + ADD
+    )
+    names = ["bad", "plain", "keys", "items", "gen", "module", "type", "loop", "in_dict", "in_list"]
+    tests = "".join(f"assert f({n!r}) == f({n!r})\nassert len(f({n!r})) == 1\n" for n in names)
+    tests += "assert add(1, 2) == 3\n"
+    r = run_tests(prog, tests, timeout_s=5)
+    assert r.status == "failed" and r.total == 2 * len(names) + 1, (r.status, r.detail, r.stderr[-500:])
+    # every test got a verdict, the last one included: all but the recursive list (too deep to
+    # send) went to the second run, where `==` holds for all but `bad`, whose __eq__ exits, and
+    # `len` holds for the dict views and the dict
+    assert (r.passed, r.untrusted, r.untrusted_passed) == (12, 18, 11), r.detail
+
+
+def test_setup_calls_are_not_tests_and_trusted_only_can_reach_one():
+    tests = "import random\nrandom.seed(0)\nprint('setup')\nassert add(1, 2) == 3\nassert add(2, 2) == 4\n"
+    r = run_tests(ADD, tests, timeout_s=2)
+    assert (r.status, r.passed, r.total, r.untrusted, r.trusted_total) == ("ok", 2, 2, 0, 2)
+    fn = REGISTRY["code_tests"]
+    comp = "```python\n" + ADD + "```"
+    assert fn(["p"], [comp], timeout_s=2, trusted_only=True, tests=[tests]) == [1.0]
+    assert fn(["p"], [comp], timeout_s=2, trusted_only=True, all_or_nothing=True, tests=[tests]) == [1.0]
+
+
+def test_trusted_only_cannot_score_a_test_set_without_trusted_tests():
+    tests = "def check(f):\n    for i in range(3):\n        assert f(i, 1) == i + 1\ncheck(add)\n"
+    fn = REGISTRY["code_tests"]
+    comp = "```python\n" + ADD + "```"
+    assert fn(["p"], [comp], timeout_s=2, tests=[tests]) == [1.0]
+    assert fn(["p"], [comp], timeout_s=2, trusted_only=True, tests=[tests]) == [None]  # no signal, not a flat 0
+
+
+def test_plans_are_cached_immutable_and_quick_to_build():
+    from grpokit.rewards._testplan import plan_tests
+
+    tests = "assert add(1, 2) == 3\n"
+    plan = plan_tests(tests)
+    assert plan_tests(tests) is plan and isinstance(plan.steps, tuple) and isinstance(plan.checks, tuple)
+    redo = plan.redo_steps([0])
+    assert redo == [["run", 0, "assert add(1, 2) == 3"]] and plan.steps == (("eval", 0, ("add(1, 2)",)),)
+    for depth in (18, 60):  # the "depends on the program" flag was recomputed at every level: 2**depth
+        nested = "assert " + "abs(" * depth + "f(1)" + ")" * depth + f" == {depth}\n"
+        t0 = time.monotonic()
+        plan = plan_tests(nested)
+        assert time.monotonic() - t0 < 0.5 and plan.untrusted == 0
+
+
+@pytest.mark.parametrize("tests", [
+    "assert f(1) == " + "+".join(["1"] * 500),
+    "assert f(" + "+".join(["1"] * 500) + ") == 500",
+    "def check(g):\n    assert g(1) == " + "+".join(["1"] * 500) + "\ncheck(f)",
+], ids=["expected", "argument", "check"])
+def test_tests_too_deep_for_the_planner_run_in_the_sandbox_untrusted(tests):
+    from grpokit.rewards._testplan import plan_tests
+
+    assert plan_tests(tests).untrusted == 1  # no RecursionError
+    r = run_tests("def f(x):\n    return 500\n", tests, timeout_s=3)
+    assert (r.status, r.passed, r.total, r.untrusted) == ("ok", 1, 1, 1), r.detail
+
+
+_CHECK_TEXT = "def check(candidate):\n    assert candidate(1, 2) == 3\ncheck(add)\nassert add(0, 5) == 5\n"
+
+
+@pytest.mark.parametrize("tests,trusted", [
+    (_CHECK_TEXT, [True, True]),
+    (_CHECK_TEXT + "alias = check\n", [False, True]),  # check()'s definition is sent, 3 included
+    ("def helper():\n    for _ in range(1):\n        assert add(0,5)==5\n" + _CHECK_TEXT, [True, False]),
+    ("NOTE = 'assert add(0, 5) == 5'\n" + _CHECK_TEXT, [True, False]),  # the text itself is sent
+], ids=["not-sent", "alias", "helper", "string"])
+def test_a_test_whose_expected_values_are_sent_is_untrusted(tests, trusted):
+    from grpokit.rewards._testplan import plan_tests
+
+    plan = plan_tests(tests)
+    assert [c.trusted for c in plan.checks] == trusted
+    sent = repr(plan.steps)
+    assert ("== 3" in sent) == (not trusted[0]) and ("==5" in sent or "== 5" in sent) == (not trusted[1])
 
 
 def test_each_stdin_stdout_case_runs_in_a_fresh_process():
@@ -581,32 +723,66 @@ def test_hostile_always_equal_subclass_of_int():
     _assert_forgery_fails(prog, _ASSERTS)
 
 
+# Every container reachable in the sandboxed interpreter (gc, and the locals of every frame up to
+# the launcher's main(), which holds its configuration), as (object, its items).
+_REACHABLE = (
+    "import gc, sys\n"
+    "def _containers():\n"
+    "    roots = gc.get_objects()\n"
+    "    f = sys._getframe()\n"
+    "    while f is not None:\n"
+    "        roots.append(dict(f.f_locals))\n"
+    "        f = f.f_back\n"
+    "    for o in roots:\n"
+    "        if isinstance(o, dict):\n"
+    "            yield o, list(o.keys()) + list(o.values())\n"
+    "        elif isinstance(o, (list, tuple, set, frozenset)):\n"
+    "            yield o, list(o)\n"
+)
+# Answers an assert test from any string that holds its condition (`(1, 2) == 3`).
+_ASSERT_LEAK = _REACHABLE + (
+    "import re\n"
+    "def add(a, b):\n"
+    "    pattern = r'\\(%d, %d\\) == (-?\\d+)' % (a, b)\n"
+    "    for _, items in _containers():\n"
+    "        for v in items:\n"
+    "            if isinstance(v, str) and re.search(pattern, v):\n"
+    "                return int(re.search(pattern, v).group(1))\n"
+)
+# Answers a stdin/stdout case from any container that holds its input next to a one-token string:
+# a case dict, an (input, output) pair, or an outputs list parallel to an inputs list.
+_IO_LEAK = _REACHABLE + (
+    "text = sys.stdin.read()\n"
+    "def _answers():\n"
+    "    for o, items in _containers():\n"
+    "        if text in items and not isinstance(o, dict):\n"
+    "            i = items.index(text)\n"
+    "            yield from items[i + 1:i + 2]\n"
+    "        if isinstance(o, dict):\n"
+    "            values = list(o.values())\n"
+    "            if text in values:\n"
+    "                yield from values\n"
+    "            lists = [v for v in values if isinstance(v, (list, tuple))]\n"
+    "            for a in lists:\n"
+    "                if text in a:\n"
+    "                    yield from (b[list(a).index(text)] for b in lists if b is not a and len(b) == len(a))\n"
+    "found = [v for v in _answers() if isinstance(v, str) and v != text and len(v.split()) == 1]\n"
+    "print(found[0] if found else '?')\n"
+)
+
+
 def test_hostile_reads_expected_values_from_the_harness_memory():
-    # the parent never sends them: the assert's constants, check()'s body, the expected stdout
-    prog = (
-        "import gc, re\n"
-        "def _find(pattern):\n"
-        "    for o in gc.get_objects():\n"
-        "        if isinstance(o, dict):\n"
-        "            for v in list(o.values()):\n"
-        "                if isinstance(v, str) and re.search(pattern, v):\n"
-        "                    return re.search(pattern, v).group(1)\n"
-        "def add(a, b):\n"
-        "    found = _find(r'\\(%d, %d\\) == (-?\\d+)' % (a, b))\n"
-        "    return int(found) if found else None\n"
-    )
-    _assert_forgery_fails(prog, _ASSERTS)
-    _assert_forgery_fails(prog, _CHECK)
-    io_prog = (
-        "import gc, sys\ntext = sys.stdin.read()\n"
-        "for o in gc.get_objects():\n"
-        "    if isinstance(o, dict) and isinstance(o.get('tests'), list):\n"
-        "        for case in o['tests']:\n"
-        "            if isinstance(case, dict) and case.get('input') == text:\n"
-        "                print(case['output'])\n"
-        "print('?')\n"
-    )
-    _assert_forgery_fails(io_prog, _IO_CASES)
+    # the parent never sends them: the assert's constants, check()'s body, the expected stdout.
+    # First the controls: planted where the parent would have put them, the readers find them.
+    planted = "_leak = {'tests': 'assert add(1, 2) == 3; assert add(2, 2) == 4; assert add(0, 5) == 5'}\n"
+    assert run_tests(planted + _ASSERT_LEAK, _ASSERTS, timeout_s=3.0).passed == 3
+    cases = repr(_IO_CASES)
+    for leak in (f"_leak = {cases}\n", f"_leak = [(c['input'], c['output']) for c in {cases}]\n",
+                 f"_leak = {{'inputs': [c['input'] for c in {cases}], 'outputs': [c['output'] for c in {cases}]}}\n"):
+        assert run_tests(leak + _IO_LEAK, _IO_CASES, timeout_s=3.0).passed == 3, leak
+    _assert_forgery_fails(_ASSERT_LEAK, _ASSERTS)
+    _assert_forgery_fails(_ASSERT_LEAK, _CHECK)
+    _assert_forgery_fails(_IO_LEAK, _IO_CASES)
 
 
 @pytest.mark.parametrize("prog,tests", [
@@ -621,6 +797,77 @@ def test_hostile_reads_expected_values_from_the_harness_memory():
 def test_hostile_values_that_are_expensive_for_the_trainer(prog, tests):
     # the trainer computes on values the program chose: every operation is bounded
     _assert_forgery_fails(prog, tests, limit_s=6.0)
+
+
+@pytest.fixture
+def no_digit_limit():
+    """A trainer that lifted CPython's int/str digit limit: int(text) and str(int) are then
+    quadratic, so the judge must bound them itself."""
+    old = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)
+    yield
+    sys.set_int_max_str_digits(old)
+
+
+_FRACTION_TEST = "from fractions import Fraction\nassert Fraction(f(1)) == Fraction(1, 3)\n"
+_DECIMAL_TEST = "from decimal import Decimal\nassert Decimal(f(1)) == Decimal('0.5')\n"
+
+
+@pytest.mark.parametrize("tests,value", [
+    (_FRACTION_TEST, {"D": "1e10000000"}),  # Fraction(Decimal('1e10000000')): 8.7 s, more with more digits
+    (_FRACTION_TEST, {"D": "-1e-999999999"}),
+    (_FRACTION_TEST, "1e10000000"),  # from text: 10**10000000
+    (_FRACTION_TEST, "1" * 1_000_000 + "/3"),
+    (_FRACTION_TEST, [{"q": [{"i": "f" * 2**15}, {"i": "e" * 2**15}]}] * 200),  # a gcd of two 2**17-bit ints each
+    (_DECIMAL_TEST, "9" * 1_000_000),
+    ("assert int(f(1)) == 3\n", "9" * 1_000_000),  # quadratic without a digit limit
+    ("assert int(f(1)) == 3\n", {"D": "1e999999999"}),
+    ("assert float(f(1)) == 3\n", "1" * 1_000_000),
+    ("assert str(f(1)) == '3'\n", {"i": "f" * 2**20}),  # a 2**22-bit integer printed: 24 s
+    ("assert str(f(1)) == '3'\n", [[{"i": "f" * 2**15}]] * 30),
+    ("assert round(f(1), 10**9) == 3\n", 1.5),
+    ("assert f(1) ** 3 == 3\n", {"D": "1e999999999"}),
+    ("assert f(1) * 10**7 == 'x'\n", "x" * 1000),
+    ("assert pow(7, f(1), 10**40) == 3\n", {"i": "f" * 2**15}),
+    ("import math\nassert math.floor(f(1)) == 3\n", {"D": "1e999999999"}),
+], ids=["fraction-of-decimal", "fraction-of-tiny-decimal", "fraction-of-text", "fraction-of-long-text",
+        "fraction-gcd", "decimal-of-long-text", "int-of-text", "int-of-decimal", "float-of-text", "str-of-int",
+        "str-of-nested-ints", "round-digits", "decimal-power", "repeat", "modular-power", "floor"])
+def test_hostile_values_are_cheap_for_the_trainer_to_judge(no_digit_limit, tests, value):
+    # what a hostile program can write on its data channel for a trusted test: judging it takes
+    # the trainer (GIL held, beyond the reward's timeout) a bounded time
+    from grpokit.rewards._judge import judge
+    from grpokit.rewards._testplan import plan_tests
+
+    plan = plan_tests(tests)
+    assert plan.untrusted == 0
+    t0 = time.monotonic()
+    ((ok, why),) = judge(plan, {0: {"u": 0, "v": [value]}})
+    assert time.monotonic() - t0 < 1.0 and not ok, why
+
+
+def test_hostile_json_numbers_are_cheap_for_the_trainer_to_read(no_digit_limit):
+    line = b'{"u": 0, "v": [' + b"9" * 2_000_000 + b']}\n{"u": 1, "v": [3]}\n'
+    t0 = time.monotonic()
+    assert _sandbox._lines(bytearray(line)) == [{"u": 1, "v": [3]}]
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_hostile_fraction_of_a_huge_decimal():
+    t0 = time.monotonic()
+    r = run_tests("from decimal import Decimal\ndef f(x):\n    return Decimal('1e10000000')\n", _FRACTION_TEST, timeout_s=3.0)
+    _assert_contained(r, t0, 5.0)
+    assert r.untrusted == 0
+
+
+def test_hostile_reads_a_check_definition_that_is_sent():
+    # `alias = check` sends check()'s definition, expected values included: the inlined test is
+    # then untrusted, so what the program reads there does not count with trusted_only
+    tests = _CHECK + "alias = check\n"
+    r = run_tests(_ASSERT_LEAK, tests, timeout_s=3.0)
+    assert (r.passed, r.total, r.untrusted, r.untrusted_passed, r.trusted_total) == (1, 2, 1, 1, 1), r.detail
+    comp = "```python\n" + _ASSERT_LEAK + "```"
+    assert REGISTRY["code_tests"](["p"], [comp], timeout_s=3.0, trusted_only=True, tests=[tests]) == [0.0]
 
 
 def test_hostile_prints_an_output_pattern_without_solving():

@@ -187,6 +187,22 @@ CASES = [
     (r"\boxed{3}. Final answer: 4", "3", F, "box and a later statement disagree (box right)"),
     (r"\boxed{3}. Final answer: 4", "4", F, "box and a later statement disagree (statement right)"),
     (r"\boxed{3}. Final answer: $3$ or $4$", "3", F, "the statement after the box hedges"),
+    (r"\boxed{A}. The answer is B.", "A", F, "a choice letter stated after the box is a second answer"),
+    (r"\boxed{3}. The final answer is therefore 4.", "3", F, "a filler word ('therefore') does not hide the value after it"),
+    (r"\boxed{3}. The answer is, thus, $4$.", "3", F, "fillers between commas before a math span"),
+    (r"\boxed{3}. The answer is definitely not 3 but 4.", "3", F, "prose first: every number it states is an answer"),
+    (r"\boxed{B}. Final answer: (C)", "B", F, "a choice letter in parentheses after the box"),
+    (r"\boxed{B}. On reflection the answer is clearly D, not B.", "B", F, "filler, then a different choice letter"),
+    (r"\boxed{A}. The answer is A, B", "A", F, "a list of choice letters after the box hedges"),
+    (r"\boxed{3}. The answer is simply **4**.", "3", F, "filler then a bold value"),
+    (r"\boxed{3}. The answer is 3.", "3", T, "a restatement of the same value after the box"),
+    (r"\boxed{A}. The answer is (A).", "A", T, "a restated choice letter in parentheses"),
+    (r"\boxed{3}. This answer is consistent with the check.", "3", T, "prose without any value after the box"),
+    (r"The answer is \boxed{3}.", "3", T, "a statement that holds the box, then a full stop"),
+    (r"\boxed{3}. The answer is therefore 3.", "3", T, "a restatement behind a filler word"),
+    (r"\boxed{C}. The answer is C because the other options fail.", "C", T, "a choice letter with its reason"),
+    ("The answer is therefore 4.", "4", T, "a filler word before the value of a statement without a box"),
+    ("The answer is (B).", "B", T, "a choice letter in parentheses is the letter"),
     # ---- false: extraction failures and junk
     ("", "5", F, "empty completion"),
     ("I don't know.", "5", F, "no answer at all"),
@@ -354,3 +370,57 @@ def test_huge_adversarial_completions_stay_within_the_limit(text):
     assert verify(text, "1") is False
     judge_alt(text, "1")  # (no hedging rule there: "1 or 1 or ..." ends in 1)
     assert time.monotonic() - t0 < 5.0
+
+
+def test_a_batch_of_pathological_answers_scores_zero_not_none_under_the_default_budget(monkeypatch):
+    """The composer's per-call budget covers the whole batch; over it, every sample would score
+    None (advantage 0: no penalty). math_accuracy bounds each answer itself, so by default it is
+    not put under that budget: a batch of answers that all hit the per-answer limit scores 0s, even
+    when the batch takes longer than the default budget (patched tiny here)."""
+    from grpokit.config import load_config
+    from grpokit.rewards import RewardSet, compose
+
+    monkeypatch.setattr(compose, "DEFAULT_TIMEOUT_S", 0.2)
+    assert verify(r"\boxed{1.0}", "1") is True  # a checker is up (start-up is not the point here)
+    bombs = [r"\boxed{10^{10^{10^{10}}}}", r"\boxed{9^{9^{9^{9^{9}}}}}", r"\boxed{(10^{10^{8}})!}",
+             r"\boxed{10^{10^{10^{10}}}+1}"]
+    cfg = load_config(None, ["rewards=[{name: math_accuracy, args: {timeout_s: 0.6}}]"])
+    rs = RewardSet.from_specs([r.model_dump() for r in cfg.rewards])  # as the trainer builds it
+    t0 = time.monotonic()
+    out = rs.score(["p"] * 4, bombs, {"answer": ["7"] * 4})
+    took = time.monotonic() - t0
+    assert took > 0.2  # longer than the (patched) default budget: the budget really was not applied
+    assert out.per_fn["math_accuracy"] == [0.0] * 4  # a timeout scores 0, never None
+    assert out.metrics["reward/math_accuracy/errors"] == 0.0 and out.metrics["reward/total_nan_frac"] == 0.0
+    assert rs.specs[0].timeout_s is None
+
+
+def test_a_timed_out_call_does_not_wait_for_the_kill_or_the_respawn(monkeypatch, tmp_path):
+    """The caller returns when its time is up: reaping the killed checker (slow when it holds
+    gigabytes, or on a loaded machine) and starting the replacement happen off its path."""
+    from grpokit.rewards import _workers
+    from grpokit.rewards import math as M
+
+    stuck = tmp_path / "stuck_checker.py"
+    stuck.write_text("import sys, time\nprint('ready', flush=True)\nfor line in sys.stdin:\n    time.sleep(3600)\n")
+    real_kill, real_init = _workers._Worker.kill, _workers._Worker.__init__
+
+    def slow_kill(self):  # as if the killed process took a second to exit
+        time.sleep(1.0)
+        real_kill(self)
+
+    pool = _workers.WorkerPool(str(stuck), size=1)
+    monkeypatch.setattr(M, "_pool", [pool])
+    try:
+        assert verify(r"\boxed{2.0}", "2", timeout_s=0.3) is False  # the stub is up (and was killed)
+        monkeypatch.setattr(_workers._Worker, "kill", slow_kill)
+        monkeypatch.setattr(_workers._Worker, "__init__", lambda self, s: (time.sleep(1.0), real_init(self, s))[1])
+        time.sleep(0.5)  # (the replacement of the first kill is idle by now)
+        t0 = time.monotonic()
+        assert verify(r"\boxed{2.0}", "2", timeout_s=0.3) is False
+        assert time.monotonic() - t0 < 0.8  # not 0.3 s + 1 s kill + 1 s respawn
+    finally:
+        monkeypatch.setattr(_workers._Worker, "kill", real_kill)
+        monkeypatch.setattr(_workers._Worker, "__init__", real_init)
+        time.sleep(2.2)  # let the background respawn finish before the pool is closed
+        pool.close()

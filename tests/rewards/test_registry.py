@@ -204,10 +204,11 @@ def test_rewards_have_a_time_budget_by_default(temp_rewards):
     from grpokit.rewards.compose import DEFAULT_TIMEOUT_S
 
     assert DEFAULT_TIMEOUT_S == 300.0
-    assert RewardSpec(name="x").timeout_s == DEFAULT_TIMEOUT_S
-    assert RewardSpecConfig(name="x").timeout_s == DEFAULT_TIMEOUT_S  # the config says the same
-    assert CrossCheck(primary="x", checker="y").timeout_s == DEFAULT_TIMEOUT_S
-    assert CrossCheckConfig(primary="x").timeout_s == DEFAULT_TIMEOUT_S
+    # "auto": DEFAULT_TIMEOUT_S, except for a reward that declares its own per-sample limits
+    assert RewardSpec(name="x").timeout_s == "auto"
+    assert RewardSpecConfig(name="x").timeout_s == "auto"  # the config says the same
+    assert CrossCheck(primary="x", checker="y").timeout_s == "auto"
+    assert CrossCheckConfig(primary="x").timeout_s == "auto"
     # a reward from the config, with no timeout_s given, runs under the default budget ...
     cfg = load_config(None, ["rewards=[{name: exact_match}]"])
     rs = RewardSet.from_specs([r.model_dump() for r in cfg.rewards])
@@ -215,6 +216,50 @@ def test_rewards_have_a_time_budget_by_default(temp_rewards):
     # ... and `timeout_s: null` still turns the budget off
     cfg = load_config(None, ["rewards=[{name: exact_match, timeout_s: null}]"])
     assert RewardSet.from_specs([r.model_dump() for r in cfg.rewards]).specs[0].timeout_s is None
+
+
+def test_builtins_with_their_own_per_sample_limits_declare_it():
+    for name in ("math_accuracy", "math_accuracy_alt", "code_tests"):
+        assert REGISTRY[name].own_time_limit is True, name
+    for name in ("exact_match", "think_answer_format", "soft_overlong", "length_group"):
+        assert REGISTRY[name].own_time_limit is False, name
+    rs = RewardSet.from_specs([{"name": "math_accuracy"}, {"name": "code_tests"}, {"name": "exact_match"}],
+                              crosscheck={"primary": "math_accuracy", "checker": "math_accuracy_alt"})
+    from grpokit.rewards.compose import DEFAULT_TIMEOUT_S
+
+    assert [s.timeout_s for s in rs.specs] == [None, None, DEFAULT_TIMEOUT_S]
+    assert rs.checker_timeout_s is None  # math_accuracy_alt bounds its samples too
+    rs = RewardSet.from_specs([{"name": "math_accuracy", "timeout_s": 60}],  # an explicit budget is kept
+                              crosscheck={"primary": "math_accuracy", "checker": _one, "timeout_s": "auto"})
+    assert rs.specs[0].timeout_s == 60.0 and rs.checker_timeout_s == DEFAULT_TIMEOUT_S  # a plain callable
+
+
+def test_own_time_limit_skips_the_default_budget_only(temp_rewards, monkeypatch):
+    """A batch over the per-call budget scores None for every sample (advantage 0): a reward that
+    bounds each sample itself is not put under the default budget, a plain function still is, and
+    an explicit timeout_s applies to both."""
+    from grpokit.config import load_config
+    from grpokit.rewards import compose
+
+    monkeypatch.setattr(compose, "DEFAULT_TIMEOUT_S", 0.1)
+
+    def slow(prompts, completions, **columns):  # e.g. many answers that each take their full limit
+        time.sleep(0.4)
+        return [0.0] * len(completions)
+
+    temp_rewards("t_plain_slow", slow)
+    register("t_own_slow", own_time_limit=True)(lambda p, c, **k: slow(p, c))
+    try:
+        cfg = load_config(None, ["rewards=[{name: t_own_slow}, {name: t_plain_slow}]"])
+        rs = RewardSet.from_specs([r.model_dump() for r in cfg.rewards])  # as the trainer builds it
+        assert [s.timeout_s for s in rs.specs] == [None, 0.1]
+        out = rs.score(["q", "q"], ["a", "b"], cols(2))
+        assert out.per_fn["t_own_slow"] == [0.0, 0.0]  # scored, not None
+        assert out.per_fn["t_plain_slow"] == [None, None] and out.metrics["reward/t_plain_slow/errors"] == 2.0
+        out = RewardSet.from_specs([{"name": "t_own_slow", "timeout_s": 0.1}]).score(["q"], ["a"], cols(1))
+        assert out.per_fn["t_own_slow"] == [None]  # the user's explicit budget holds
+    finally:
+        REGISTRY.pop("t_own_slow", None)
 
 
 def test_a_reward_that_needs_the_main_thread_can_opt_out_of_the_budget(temp_rewards, caplog):
