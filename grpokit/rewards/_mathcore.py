@@ -84,6 +84,7 @@ _SENTENCE_END = re.compile(r"\.(?:\s|$)")
 _OR_NEXT = re.compile(r"\s*or\b", re.I)  # "The answer is 3. Or 4." (not "... 3. Either way, ...")
 _VALUE_START = re.compile(r"[-+.(\[$\\\d]|[A-Za-z]\s*=")  # "3", "$x$", "\\frac", "x = 3"; not prose
 # words that may stand between "answer is" and the value: "the answer is therefore 4"
+_CORRECTION = re.compile(r"\b(?:but|rather|instead)\b", re.IGNORECASE)  # "not 3 but 4"
 _FILLER = re.compile(
     r"(?:[ \t,]*\b(?:therefore|thus|so|hence|indeed|clearly|simply|obviously|evidently|definitely|"
     r"certainly|surely|actually|really|just|then|now|finally|ultimately|again|still|also|exactly|"
@@ -180,10 +181,14 @@ def _read_statement(text: str, marker: re.Match) -> _Statement | None:
         ans = ", ".join(next(g for g in m.groups() if g is not None).strip() for m in spans)
     if choice or _VALUE_START.match(sentence):
         return _Statement(marker.start(), ans, hedged, True, (ans,))
-    # prose first ("the answer is definitely not 3 but 4"): every number or math span in it is a
-    # value it states; none ("this answer is consistent with the check") is not a value
-    values = [next(g for g in m.groups() if g is not None).strip() for m in spans]
-    values += [m.group(0) for m in numbers]
+    # prose first: no value ("this answer is correct because 2 \times 3 = 6" is a check, not a
+    # second answer), except an explicit correction ("definitely not 3 but 4", "rather 4"): the
+    # numbers and math spans after "but" / "rather" / "instead" are the values it states
+    turn = _CORRECTION.search(masked[:end])
+    if turn is None:
+        return _Statement(marker.start(), ans, hedged, False, ())
+    values = [next(g for g in m.groups() if g is not None).strip() for m in spans if m.start() >= turn.end()]
+    values += [m.group(0) for m in numbers if m.start() >= turn.end()]
     values = [v for v in values if v]
     return _Statement(marker.start(), ans, hedged, bool(values), tuple(dict.fromkeys(values)))
 

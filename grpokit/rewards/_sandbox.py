@@ -204,10 +204,13 @@ class _Capped:
 
 def run_job(program: str, tests, *, iso: Isolation | None = None, timeout_s: float = 5.0,
             memory_mb: int = 512, nproc: int = 32, file_mb: int = 16, disk_mb: int = 64,
-            output_cap: int = 16384, site: bool = True) -> CodeResult:
+            output_cap: int = 16384, site: bool = True, objects_in_sandbox: bool = False) -> CodeResult:
     """Run `program` against `tests` in a fresh sandbox; never raises for anything the program
-    does. When a value a test needs is not plain data, the program runs a second time, in which
-    such tests run their own asserts (their verdicts are then the sandbox's: untrusted)."""
+    does. A test whose value is not plain data (an object of the program's own class) fails,
+    unless `objects_in_sandbox`: then the program runs a second time, in which such tests run their
+    own asserts (their verdicts are then the sandbox's: untrusted). Off by default because the
+    "not plain data" marker comes over a channel the program controls: a hostile program could
+    send it for every test and then forge the second run's verdicts."""
     t0 = time.monotonic()
     try:
         plan = plan_tests(tests)
@@ -224,6 +227,10 @@ def run_job(program: str, tests, *, iso: Isolation | None = None, timeout_s: flo
     run = _run_once(program, plan.mode, plan.steps, **limits)
     verdicts = judge(plan, run.replies)
     redo = [i for i, (ok, _) in enumerate(verdicts) if ok is None]
+    if redo and not objects_in_sandbox:
+        for i in redo:
+            verdicts[i] = (False, f"{verdicts[i][1]} (objects_in_sandbox=True judges it in the sandbox, untrusted)")
+        redo = []
     if redo and _label(run, False, "")[0] == "failed":  # the first run went through to the end
         second = _run_once(program, plan.mode, plan.redo_steps(redo), **limits)
         for i in redo:
@@ -446,7 +453,7 @@ def _result(run: _Run, plan: TestPlan, verdicts: list[tuple[bool, str]], redo: l
     first_fail = next((f"test {i + 1}: {why}" for i, (ok, why) in enumerate(verdicts) if not ok), "")
     status, detail = _label(run, n == plan.total, first_fail)
     return CodeResult(n, plan.total, status, run.out.text(), run.err.text(), time.monotonic() - t0, detail[:500],
-                      plan.untrusted + len(redo), sum(verdicts[i][0] for i in untrusted), plan.total - plan.untrusted)
+                      len(untrusted), sum(verdicts[i][0] for i in untrusted), plan.total - plan.untrusted)
 
 
 def _label(run: _Run, all_passed: bool, first_fail: str) -> tuple[str, str]:

@@ -20,7 +20,9 @@ and sends only what must run: setup statements, the expressions whose values a t
 stdin of each case. The harness sends back DATA on `data_fd` (values restricted to plain builtin
 types, captured stdout, exit codes); the parent compares them with the expected values. The
 program shares the harness's interpreter, so it can write anything to `data_fd`, but without the
-expected values it can only forge data it could also have returned honestly.
+expected values it can only forge data it could also have returned honestly. (The verdicts of
+untrusted tests, and of the second run that `objects_in_sandbox` allows, are the exception: the
+parent counts those as untrusted.)
 """
 
 from __future__ import annotations

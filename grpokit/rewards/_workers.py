@@ -126,14 +126,16 @@ class WorkerPool:
         if os.getpid() != self.pid:  # forked: the parent's workers are not ours
             self._reset()
         with self.cv:
-            while not self.idle and self.count >= self.size:
+            while not self.idle and self.count >= self.size and not self.closed:
                 self.cv.wait()
+            if self.closed:
+                raise WorkerError("the checker pool is closed (the interpreter is shutting down)")
             if self.idle:
                 return self.idle.pop()
             self.count += 1
         try:
             return _Worker(self.script)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - whatever failed, the slot must be given back
             with self.cv:
                 self.count -= 1
                 self.cv.notify()
@@ -142,8 +144,14 @@ class WorkerPool:
     def _release(self, w: _Worker, healthy: bool) -> None:
         if healthy:
             with self.cv:
-                self.idle.append(w)
+                keep = not self.closed
+                if keep:
+                    self.idle.append(w)
+                else:
+                    self.count -= 1
                 self.cv.notify()
+            if not keep:                # came back after close(): nothing may outlive the pool
+                w.kill()
             return
         # Off the caller's path: the caller only sends SIGKILL and returns at once; the slot stays
         # taken until the replacement is in `idle` (so at most `size` checkers ever work at once).
@@ -187,5 +195,6 @@ class WorkerPool:
             idle, self.idle = self.idle, []
             self.count -= len(idle)
             self.closed = True
+            self.cv.notify_all()        # callers waiting for a slot get WorkerError, not a hang
         for w in idle:
             w.kill()

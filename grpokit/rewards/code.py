@@ -13,8 +13,9 @@ Tests come from a dataset column (`tests` by default) in one of two forms:
 Who decides a test passed: the trainer, never the sandboxed process. The sandbox only evaluates
 expressions (`add(1, 2)`) and runs programs on stdin; it sends back plain data (values of builtin
 types, captured stdout), and the trainer compares that with expected values it never sent. Tests
-it cannot judge that way (e.g. a loop of asserts inside `check`, or a value of the program's own
-class) are reported by the sandbox and counted in `CodeResult.untrusted`: a hostile program can
+it cannot judge that way (e.g. a loop of asserts inside `check`, or, with `objects_in_sandbox`, a
+value of the program's own class, which otherwise fails) are reported by the sandbox and counted in
+`CodeResult.untrusted`: a hostile program can
 forge those (`trusted_only=True` leaves them out). docs/rewards.md has the details and the threat
 model.
 
@@ -69,7 +70,8 @@ def extract_code(completion: str) -> str | None:
 
 
 def run_tests(program: str, tests, *, timeout_s: float = 5.0, memory_mb: int = 512, nproc: int = 32,
-              file_mb: int = 16, disk_mb: int = 64, output_cap: int = 16384) -> CodeResult:
+              file_mb: int = 16, disk_mb: int = 64, output_cap: int = 16384,
+              objects_in_sandbox: bool = False) -> CodeResult:
     """Run `program` against `tests` in a fresh sandbox and report what passed.
 
     timeout_s: wall-clock limit of the program + tests (CPU limit is timeout_s + 2 s).
@@ -77,10 +79,12 @@ def run_tests(program: str, tests, *, timeout_s: float = 5.0, memory_mb: int = 5
     disk_mb: size of its private /tmp (mount namespace only). output_cap: bytes kept of
     stdout/stderr each (and of each stdin/stdout case's output). Never raises for anything the
     program does. `CodeResult.untrusted` counts the tests whose verdict had to come from inside
-    the sandbox (see the module docstring).
+    the sandbox (see the module docstring). objects_in_sandbox: a test whose value is an object of
+    the program's own class (not plain data) is judged in the sandbox, untrusted, instead of failing
+    (for tasks whose answers are objects, e.g. linked lists; a hostile program can forge those).
     """
     return run_job(program, tests, timeout_s=timeout_s, memory_mb=memory_mb, nproc=nproc,
-                   file_mb=file_mb, disk_mb=disk_mb, output_cap=output_cap)
+                   file_mb=file_mb, disk_mb=disk_mb, output_cap=output_cap, objects_in_sandbox=objects_in_sandbox)
 
 
 def default_parallelism() -> int:
@@ -114,12 +118,13 @@ def run_tests_batch(programs: list[str], tests: list, *, max_workers: int | None
 @register("code_tests", own_time_limit=True)
 def code_tests(prompts, completions, *, tests_column: str = "tests", all_or_nothing: bool = False,
                trusted_only: bool = False, timeout_s: float = 5.0, memory_mb: int = 512,
-               max_workers: int | None = None, **columns) -> list[float | None]:
+               max_workers: int | None = None, objects_in_sandbox: bool = False, **columns) -> list[float | None]:
     """Fraction of the tests the completion's program passes (see the module docstring).
 
     trusted_only: score only the tests the trainer judges itself: its passes over
     `CodeResult.trusted_total`; a test whose verdict came from inside the sandbox (a value that
     was not plain data) counts as failed, and a test set without such tests scores None.
+    objects_in_sandbox: see `run_tests` (off: a value of the program's own class fails its test).
     """
     if tests_column not in columns:
         raise KeyError(f"code_tests needs the dataset column {tests_column!r} (have: {sorted(columns)})")
@@ -129,7 +134,7 @@ def code_tests(prompts, completions, *, tests_column: str = "tests", all_or_noth
     programs = [extract_code(c) for c in completions]
     todo = [i for i, (p, t) in enumerate(zip(programs, tests)) if p is not None and t is not None]
     results = run_tests_batch([programs[i] for i in todo], [tests[i] for i in todo], max_workers=max_workers,
-                              timeout_s=timeout_s, memory_mb=memory_mb)
+                              timeout_s=timeout_s, memory_mb=memory_mb, objects_in_sandbox=objects_in_sandbox)
     scores: list[float | None] = [None if t is None else 0.0 for t in tests]
     for i, res in zip(todo, results):
         scores[i] = _score(res, all_or_nothing, trusted_only)

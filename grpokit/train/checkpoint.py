@@ -169,9 +169,17 @@ def set_aside_earlier_run(run_dir: Path) -> Path | None:
         stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         partial = _new_dir(prev, f".partial-{stamp}")
     for path in found:
-        os.replace(path, partial / path.name)
+        try:
+            os.replace(path, partial / path.name)
+        except FileNotFoundError:             # another process starting in this directory moved it
+            pass
     _fsync_dir(run_dir)
-    final = _new_dir(prev, partial.name.removeprefix(".partial-"))
+    name = partial.name.removeprefix(".partial-")
+    try:                                      # an empty one left by a kill right before the rename
+        (prev / name).rmdir()
+    except OSError:
+        pass
+    final = _new_dir(prev, name)
     os.replace(partial, final)                # an empty directory is replaced atomically
     _fsync_dir(prev)
     return final

@@ -149,10 +149,13 @@ def test_values_of_builtin_types_are_compared_by_the_trainer():
     assert (r.status, r.passed, r.total, r.untrusted) == ("ok", 10, 10, 0), r.detail
 
 
-def test_a_value_that_is_not_plain_data_is_judged_in_the_sandbox_untrusted():
-    r = run_tests("class P:\n    pass\ndef f():\n    return P()\n", "assert f() == 1\nassert f() is not None\n", timeout_s=2)
+def test_a_value_that_is_not_plain_data_fails_unless_objects_are_judged_in_the_sandbox():
+    prog, tests = "class P:\n    pass\ndef f():\n    return P()\n", "assert f() == 1\nassert f() is not None\n"
+    r = run_tests(prog, tests, timeout_s=2)
+    assert (r.status, r.passed, r.untrusted, r.untrusted_passed, r.trusted_total) == ("failed", 0, 0, 0, 2)
+    assert "test 1" in r.detail and "not plain data" in r.detail and "objects_in_sandbox" in r.detail
+    r = run_tests(prog, tests, timeout_s=2, objects_in_sandbox=True)
     assert (r.status, r.passed, r.untrusted, r.untrusted_passed, r.trusted_total) == ("failed", 1, 2, 1, 2)
-    assert "test 1" in r.detail and "not plain data" in r.detail
 
 
 def test_humaneval_check_is_inlined_and_its_expected_values_stay_in_the_trainer():
@@ -199,16 +202,22 @@ _OBJECT_TESTS = (
 
 
 def test_programs_returning_their_own_objects_are_judged_in_the_sandbox_untrusted():
-    # values that cannot travel as plain data: a second run has the sandbox run those asserts
+    # values that cannot travel as plain data: by default their tests fail (a hostile program
+    # could claim "not plain data" for every test); opted in, a second run has the sandbox run
+    # those asserts
     r = run_tests(_OBJECTS, _OBJECT_TESTS, timeout_s=3)
+    assert (r.status, r.passed, r.untrusted) == ("failed", 2, 0), r.detail
+    r = run_tests(_OBJECTS, _OBJECT_TESTS, timeout_s=3, objects_in_sandbox=True)
     assert (r.status, r.passed, r.total, r.untrusted, r.untrusted_passed, r.trusted_total) == ("ok", 7, 7, 5, 5, 7), r.detail
     wrong = _OBJECTS.replace("return P(x)", "return P(x + 1)")
-    r = run_tests(wrong, _OBJECT_TESTS, timeout_s=3)
+    r = run_tests(wrong, _OBJECT_TESTS, timeout_s=3, objects_in_sandbox=True)
     assert (r.status, r.passed, r.untrusted_passed) == ("failed", 3, 2) and "test 1: failed in the sandbox" in r.detail
     fn = REGISTRY["code_tests"]
     comp = "```python\n" + _OBJECTS + "```"
-    assert fn(["p"], [comp], timeout_s=3, tests=[_OBJECT_TESTS]) == [1.0]
-    assert fn(["p"], [comp], timeout_s=3, trusted_only=True, tests=[_OBJECT_TESTS]) == [pytest.approx(2 / 7)]
+    assert fn(["p"], [comp], timeout_s=3, tests=[_OBJECT_TESTS]) == [pytest.approx(2 / 7)]
+    assert fn(["p"], [comp], timeout_s=3, objects_in_sandbox=True, tests=[_OBJECT_TESTS]) == [1.0]
+    assert fn(["p"], [comp], timeout_s=3, objects_in_sandbox=True, trusted_only=True,
+              tests=[_OBJECT_TESTS]) == [pytest.approx(2 / 7)]
     # linked lists and trees: the program's node classes, compared with nodes the test builds
     nodes = (
         "from dataclasses import dataclass\n"
@@ -223,7 +232,7 @@ def test_programs_returning_their_own_objects_are_judged_in_the_sandbox_untruste
         "head = reverse(ListNode(1, ListNode(2)))\n"
         "assert head.val == 2 and head.next.val == 1\nassert isinstance(head, ListNode)\n"
     )
-    r = run_tests(nodes, tests, timeout_s=3)
+    r = run_tests(nodes, tests, timeout_s=3, objects_in_sandbox=True)
     assert (r.status, r.passed, r.total, r.untrusted) == ("ok", 4, 4, 2), r.detail
 
 
@@ -248,7 +257,7 @@ def test_objects_that_are_not_plain_data_never_crash_the_harness():
     names = ["bad", "plain", "keys", "items", "gen", "module", "type", "loop", "in_dict", "in_list"]
     tests = "".join(f"assert f({n!r}) == f({n!r})\nassert len(f({n!r})) == 1\n" for n in names)
     tests += "assert add(1, 2) == 3\n"
-    r = run_tests(prog, tests, timeout_s=5)
+    r = run_tests(prog, tests, timeout_s=5, objects_in_sandbox=True)
     assert r.status == "failed" and r.total == 2 * len(names) + 1, (r.status, r.detail, r.stderr[-500:])
     # every test got a verdict, the last one included: all but the recursive list (too deep to
     # send) went to the second run, where `==` holds for all but `bad`, whose __eq__ exits, and
@@ -910,3 +919,30 @@ def test_fallback_modes_still_time_out_and_reap(weak_mode, mode):
     run_tests(prog, "assert True", timeout_s=2.0)
     assert _sandbox_leftovers(marker) == []
     assert not [d for d in os.listdir("/tmp") if d.startswith(f"grpokit-sbx-{os.getpid()}-")]
+
+
+_CLAIMS_NOT_PLAIN = (
+    "import gc\n"
+    "def add(a, b):\n    return 0\n"
+    "def _forge():\n"
+    "    h = next(o for o in gc.get_objects() if type(o).__name__ == '_Harness')\n"
+    "    for step in h.cfg['steps']:\n"
+    "        if step[0] == 'eval':\n"
+    "            h.send(u=step[1], v=[{'?': 'claimed'}] * len(step[2]))\n"
+    "        elif step[0] != 'exec':\n"
+    "            h.send(u=step[1], ok=True)\n"
+    "_forge()\n"
+)
+
+
+def test_hostile_claims_every_value_is_not_plain_data_then_forges_the_second_run():
+    """The "not plain data" marker travels on a channel the program controls. By default it only
+    fails the test; opted in, the forged second-run verdicts count as untrusted and
+    trusted_only scores them 0."""
+    tests = "assert add(1, 2) == 3\nassert add(2, 2) == 4\n"
+    r = run_tests(_CLAIMS_NOT_PLAIN, tests, timeout_s=3)
+    assert r.passed == 0 and r.status != "ok", r.detail
+    fn = REGISTRY["code_tests"]
+    comp = "```python\n" + _CLAIMS_NOT_PLAIN + "```"
+    assert fn(["p"], [comp], timeout_s=3, tests=[tests]) == [0.0]
+    assert fn(["p"], [comp], timeout_s=3, objects_in_sandbox=True, trusted_only=True, tests=[tests]) == [0.0]

@@ -196,6 +196,11 @@ CASES = [
     (r"\boxed{A}. The answer is A, B", "A", F, "a list of choice letters after the box hedges"),
     (r"\boxed{3}. The answer is simply **4**.", "3", F, "filler then a bold value"),
     (r"\boxed{3}. The answer is 3.", "3", T, "a restatement of the same value after the box"),
+    (r"\boxed{6}. The answer is correct because 2 \times 3 = 6.", "6", T, "a check after the box states no second answer"),
+    (r"\boxed{6}. This answer is consistent with the check 2 + 4 = 6.", "6", T, "prose with a worked check is not a value"),
+    (r"\boxed{6}. The final answer is verified: plugging in x = 2 gives 6.", "6", T, "a verification sentence is not a value"),
+    (r"\boxed{3}. The answer is not 3 but rather 4.", "3", F, "'but rather' corrects the box"),
+    (r"\boxed{3}. The answer is, instead, $4$.", "3", F, "'instead' corrects the box"),
     (r"\boxed{A}. The answer is (A).", "A", T, "a restated choice letter in parentheses"),
     (r"\boxed{3}. This answer is consistent with the check.", "3", T, "prose without any value after the box"),
     (r"The answer is \boxed{3}.", "3", T, "a statement that holds the box, then a full stop"),
@@ -424,3 +429,30 @@ def test_a_timed_out_call_does_not_wait_for_the_kill_or_the_respawn(monkeypatch,
         monkeypatch.setattr(_workers._Worker, "__init__", real_init)
         time.sleep(2.2)  # let the background respawn finish before the pool is closed
         pool.close()
+
+
+def test_a_closed_pool_leaves_no_checker_behind(tmp_path):
+    """close() while a call is in flight: the worker that comes back is killed, not kept idle; a
+    call after close() fails at once instead of starting a new checker (nothing outlives close)."""
+    import threading
+
+    from grpokit.rewards._workers import WorkerError, WorkerPool
+
+    slow = tmp_path / "slow_checker.py"
+    slow.write_text("import json, sys, time\nprint('ready', flush=True)\nfor line in sys.stdin:\n"
+                    "    req = json.loads(line)\n    time.sleep(0.5)\n"
+                    "    print(json.dumps({'id': req['id'], 'ok': True}), flush=True)\n")
+    pool = WorkerPool(str(slow), size=1)
+    pool.call({"x": 1}, 5.0)                                   # start the one worker
+    worker = pool.idle[0]
+    out = []
+    t = threading.Thread(target=lambda: out.append(pool.call({"x": 2}, 5.0)))
+    t.start()
+    time.sleep(0.2)
+    pool.close()                                               # the call is in flight
+    t.join(5)
+    assert out and out[0] is not None                          # the call itself finished
+    assert pool.idle == [] and pool.count == 0
+    worker.proc.wait(timeout=5)                                # killed on its way back
+    with pytest.raises(WorkerError, match="closed"):
+        pool.call({"x": 3}, 5.0)

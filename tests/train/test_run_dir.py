@@ -116,6 +116,7 @@ def test_setting_aside_is_finished_after_a_kill_in_the_middle(tmp_path):
     partial = run / "previous" / ".partial-20261203T000000Z"
     partial.mkdir(parents=True)
     (run / "checkpoints").rename(partial / "checkpoints")           # the kill came after the first move
+    (run / "previous" / "20261203T000000Z").mkdir()                  # ... or right before the rename
     done = set_aside_earlier_run(run)
     assert done == run / "previous" / "20261203T000000Z"
     assert sorted(p.name for p in done.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl"]
