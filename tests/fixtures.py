@@ -25,6 +25,12 @@ def arithmetic_files(path: Path, n_train: int = 256, seed: int = 0) -> tuple[Pat
     return train, held
 
 
+def tiny_run_inputs(root: Path, n_train: int = 64) -> tuple[Path, Path, Path, Path]:
+    """(root, model dir, train file, held-out file) for a module's tiny training runs."""
+    train, held = arithmetic_files(root / "data", n_train=n_train)
+    return root, tiny_model_dir(root / "model"), train, held
+
+
 def small_overrides(model_dir: Path, train: Path, run_dir: Path, **extra) -> list[str]:
     base = {
         "model.path": model_dir, "data.path": train, "train.run_dir": run_dir,

@@ -128,9 +128,9 @@ def aggregate(
             f"{tuple(per_token_loss.shape)} and {tuple(mask.shape)}"
         )
     m = mask.bool()
-    if not torch.isfinite(per_token_loss.detach()[m]).all():
-        raise ValueError("per_token_loss holds NaN or inf at valid (mask = 1) positions")
     masked = torch.where(m, per_token_loss, 0.0)  # [B, T]
+    if not torch.isfinite(masked.detach()).all():  # only valid positions can be non-finite here
+        raise ValueError("per_token_loss holds NaN or inf at valid (mask = 1) positions")
     return fn(masked, m, num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len)
 
 

@@ -5,15 +5,12 @@ import pytest
 
 from grpokit.cli import main
 from grpokit.train.loop import Trainer
-from tests.fixtures import arithmetic_files, small_overrides, tiny_model_dir
+from tests.fixtures import small_overrides, tiny_run_inputs
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cli")
-    model_dir = tiny_model_dir(root / "model")
-    train, _ = arithmetic_files(root / "data", n_train=64)
-    return root, model_dir, train
+    return tiny_run_inputs(tmp_path_factory.mktemp("cli"))[:3]
 
 
 def _args(setup, name: str) -> list[str]:

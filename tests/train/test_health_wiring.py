@@ -9,7 +9,7 @@ import pytest
 
 from grpokit.config import load_config
 from grpokit.train import build_health, build_trainer
-from tests.fixtures import arithmetic_files, small_overrides, tiny_model_dir
+from tests.fixtures import small_overrides, tiny_run_inputs
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
@@ -50,10 +50,7 @@ def test_ref_drift_tolerance_comes_from_the_guard_unless_set(tmp_path, over, tol
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("wiring")
-    model_dir = tiny_model_dir(root / "model")
-    train, _ = arithmetic_files(root / "data", n_train=64)
-    return root, model_dir, train
+    return tiny_run_inputs(tmp_path_factory.mktemp("wiring"))[:3]
 
 
 def test_kl_in_the_reward_is_logged_as_kl_ref(setup):

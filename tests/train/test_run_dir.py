@@ -11,15 +11,12 @@ import torch
 
 from grpokit.config import load_config
 from grpokit.train import build_trainer
-from tests.fixtures import arithmetic_files, small_overrides, tiny_model_dir
+from tests.fixtures import small_overrides, tiny_run_inputs
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rundir")
-    model_dir = tiny_model_dir(root / "model")
-    train, held = arithmetic_files(root / "data", n_train=64)
-    return root, model_dir, train, held
+    return tiny_run_inputs(tmp_path_factory.mktemp("rundir"))
 
 
 def _trainer(setup, run: Path, **over):
