@@ -67,9 +67,9 @@ def cmd_eval(args) -> int:
     from grpokit.config import load_config
     from grpokit.data.datasets import PromptDataset, load_prompts
     from grpokit.train import build_rewards
-    from grpokit.rollout.hf import HFEngine
+    from grpokit.rollout.registry import build_engine
+    from grpokit.train.build import load_model, load_tokenizer
     from grpokit.train.evaluate import evaluate
-    from grpokit.train.model import load_model, load_tokenizer
     from grpokit.train.prompts import PromptEncoder
 
     over = [f"model.path={args.model}", f"data.path={args.data}"] + args.overrides
@@ -79,7 +79,7 @@ def cmd_eval(args) -> int:
     ds = load_prompts(args.data, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field)
     rewards = build_rewards(cfg)
     import torch
-    res = evaluate(HFEngine(model, tok), PromptEncoder(tok, cfg.data.chat_template), rewards,
+    res = evaluate(build_engine(cfg.rollout.engine, model, tok, cfg), PromptEncoder(tok, cfg.data.chat_template), rewards,
                    PromptDataset(ds.rows), cfg, samples=args.samples, generator=torch.Generator().manual_seed(cfg.train.seed))
     print(json.dumps({"model": args.model, "data": args.data, "prompts": len(ds), **res}, indent=2))
     return 0

@@ -19,7 +19,7 @@ from grpokit.data.datasets import PromptDataset, load_prompts
 from grpokit.demo import DemoSettings, accuracy, warm_start
 from grpokit.monitor.sinks import read_metrics
 from grpokit.tasks.arithmetic import ArithmeticTask
-from grpokit.train.model import load_model, load_tokenizer
+from grpokit.train.build import load_model, load_tokenizer
 
 
 def label(preset: str) -> str:

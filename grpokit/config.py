@@ -83,8 +83,16 @@ class DataConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    engine: Literal["hf"] = "hf"
-    """Generation engine (`hf`: transformers model with a KV cache, in-process)."""
+    engine: Literal["hf", "hf_copy"] = "hf"
+    """Generation engine, by name in `grpokit.rollout.registry` (`hf`: the policy itself through
+    transformers with a KV cache, in-process; `hf_copy`: the same over its own copy of the
+    weights, synced after every optimizer step)."""
+    is_correction: bool = True
+    """When the engine holds its own weights (its numerics may differ from the trainer's): weight
+    each token's loss by the truncated importance ratio pi_old / pi_sampler (docs/algorithms.md,
+    "Sampler/trainer mismatch"). pi_old is recomputed by the trainer either way."""
+    is_cap: float = Field(2.0, gt=0)
+    """Truncation C of the importance weights min(pi_old / pi_sampler, C)."""
     group_size: int = 16
     """G: completions sampled per prompt."""
     batch_size: int = 64

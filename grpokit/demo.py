@@ -25,10 +25,10 @@ import torch
 from grpokit.config import load_config
 from grpokit.data.datasets import PromptDataset
 from grpokit.rollout.base import SamplingParams
-from grpokit.rollout.hf import HFEngine
+from grpokit.rollout.registry import build_engine
 from grpokit.tasks.arithmetic import ArithmeticTask
 from grpokit.tasks.tiny import build_char_tokenizer, build_tiny_model, save_pretrained
-from grpokit.train.model import load_model, load_tokenizer
+from grpokit.train.build import build_policy, load_model, load_tokenizer
 from grpokit.train.sft import sft
 
 
@@ -57,11 +57,12 @@ class DemoSettings:
 
 def accuracy(model, tokenizer, rows: list[dict], *, temperature: float = 0.0, n: int = 1, seed: int = 0) -> float:
     """Held-out accuracy in percent: exact answer match, greedy (temperature 0) or sampled."""
-    engine = HFEngine(model, tokenizer)
+    engine = build_engine("hf", model, tokenizer)
     ids = [tokenizer(r["prompt"])["input_ids"] for r in rows]
     gen = torch.Generator().manual_seed(seed)
     batch = engine.generate(ids, SamplingParams(n=n, max_new_tokens=5, temperature=temperature), gen)
-    hits = sum(c.strip() == rows[i // n]["answer"] for i, c in enumerate(batch.completions))
+    answers = [r["answer"] for r in rows for _ in range(n)]          # the engine returns n per prompt, in order
+    hits = sum(c.strip() == a for c, a in zip(batch.completions, answers))
     return 100.0 * hits / len(batch.completions)
 
 
@@ -115,7 +116,6 @@ def run_demo(*, quick: bool = False, control: bool = False, seed: int = 0, run_d
                                  f"train.progress={str(progress).lower()}"] + (overrides or []))
     tok = load_tokenizer(warm_dir)
     # LoRA / QLoRA when the overrides say lora.enabled=true (the 4-bit base is loaded by build_policy)
-    from grpokit.train.lora import build_policy
     model, reference = build_policy(cfg, None if cfg.lora.load_in_4bit else load_model(warm_dir, dtype="float32", device="cpu"))
     T = cfg.rollout.temperature
     before = {"greedy": accuracy(model, tok, held), "sampled": accuracy(model, tok, held, temperature=T, n=4, seed=seed)}

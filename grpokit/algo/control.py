@@ -208,8 +208,9 @@ class ZieglerKL:
         self._beta = _state_value(state, "beta", self.kind)
 
 
-def _cosine_or_linear(progress: float, shape: str) -> float:
-    """1 → 0 as progress goes 0 → 1 (clamped)."""
+def decay(progress: float, shape: str) -> float:
+    """1 → 0 as progress goes 0 → 1 (clamped): half a cosine, or a line. Shared by the KL schedule
+    and the learning-rate schedule."""
     p = min(max(progress, 0.0), 1.0)
     return 0.5 * (1.0 + math.cos(math.pi * p)) if shape == "cosine" else 1.0 - p
 
@@ -281,7 +282,7 @@ class WarmupKL(_Scaled):
         self.shape = _check_shape(shape, ("linear", "cosine"))
 
     def scale(self, t: int) -> float:
-        return 1.0 + (self.start_scale - 1.0) * _cosine_or_linear(t / self.steps, self.shape)
+        return 1.0 + (self.start_scale - 1.0) * decay(t / self.steps, self.shape)
 
 
 class ScheduleKL(_Scaled):
@@ -319,7 +320,7 @@ class ScheduleKL(_Scaled):
             return 1.0
         if self.shape == "step" or start >= self.total_steps:
             return self.final_scale
-        w = _cosine_or_linear((t - start) / (self.total_steps - start), self.shape)
+        w = decay((t - start) / (self.total_steps - start), self.shape)
         return self.final_scale + (1.0 - self.final_scale) * w
 
 

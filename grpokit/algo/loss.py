@@ -39,8 +39,12 @@ from grpokit._names import lookup
 from torch import Tensor
 
 from grpokit.algo.kl import check_logp
+from grpokit.algo.kl import estimate as estimate_kl
 
-__all__ = ["AGGREGATIONS", "aggregate", "clipped_surrogate", "policy_loss", "register_aggregation"]
+__all__ = [
+    "AGGREGATIONS", "aggregate", "clipped_surrogate", "grpo_loss", "policy_loss", "register_aggregation",
+    "truncated_is_weights",
+]
 
 # fn(masked_loss [B, T] (0 at invalid), mask [B, T] bool, *, num_tokens, num_seqs, max_len) -> []
 AGGREGATIONS: dict[str, Callable[..., Tensor]] = {}
@@ -161,8 +165,12 @@ def policy_loss(
     num_tokens=None,
     num_seqs=None,
     log_ratio_clamp: float = 20.0,
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped surrogate loss (to minimise) and its statistics.
+
+    ``is_weights`` [B, T] (constants, e.g. `truncated_is_weights`) multiply the per-token loss
+    before aggregation: the correction for a sampler whose numerics differ from the trainer's.
 
     Shapes: logp, old_logp, mask [B, T]; advantages [B] or [B, T]. ``old_logp`` and
     ``advantages`` are treated as constants. NaN or +inf at a valid position raises ValueError;
@@ -214,6 +222,10 @@ def policy_loss(
     ratio = torch.exp(log_rho)  # [B, T]
 
     per_token = clipped_surrogate(ratio, adv, eps_low, eps_high, dual_clip)  # [B, T]
+    if is_weights is not None:
+        if is_weights.shape != logp.shape:
+            raise ValueError(f"is_weights must be [B, T] = {tuple(logp.shape)}, got {tuple(is_weights.shape)}")
+        per_token = per_token * torch.where(m, is_weights.detach().to(logp.dtype), zero)
     loss = aggregate(
         per_token, m, agg, num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len
     )
@@ -229,6 +241,7 @@ def policy_loss(
             "ratio_min": torch.where(m, r, torch.full_like(r, float("inf"))).amin() if m.any() else zero + 1,
             "ratio_mean": torch.where(m, r, zero).sum() / n,
             "ratio_max": torch.where(m, r, torch.full_like(r, float("-inf"))).amax() if m.any() else zero + 1,
+            "token_sum": torch.where(m, per_token.detach(), zero).sum(),
         }
         if dual_clip is not None:
             clipped = torch.maximum(-adv * r, -adv * r.clamp(1.0 - eps_low, 1.0 + eps_high))
@@ -237,3 +250,90 @@ def policy_loss(
         if not m.any():
             stats.update(ratio_mean=1.0)
     return loss, stats
+
+
+def grpo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    ref_logp: Tensor | None = None,
+    beta: float = 0.0,
+    kl_kind: str = "k3",
+    agg: str = "token_mean",
+    num_tokens=None,
+    num_seqs=None,
+    max_len: int | None = None,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+    ratio_level: str = "token",
+    is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The loss of one micro-batch: clipped surrogate + β · KL(π_θ‖π_ref), both aggregated alike.
+
+    DeepSeekMath (Shao et al. 2024) Eq. 3 with the aggregation named by ``agg``; ``num_tokens`` /
+    ``num_seqs`` are the counts of the *whole* (mini-)batch, over all micro-batches and ranks, so
+    the micro-batch losses sum to the batch loss (module docstring). A data-parallel worker only
+    has to pass the global counts. Shapes: logp, old_logp, ref_logp, mask, is_weights [B, T];
+    advantages [B] or [B, T].
+
+    Stats (floats): policy (the surrogate term), token_sum (Σ surrogate over valid tokens), the
+    policy_loss ratio/clip statistics, and with a KL term kl (the aggregated KL term) and kl_sum
+    (Σ per-token KL over valid tokens), n_tokens (valid tokens of this micro-batch).
+    """
+    pg, stats = policy_loss(
+        logp, old_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip,
+        agg=agg, max_len=max_len, ratio_level=ratio_level, num_tokens=num_tokens, num_seqs=num_seqs,
+        is_weights=is_weights,
+    )
+    stats = {"policy": float(pg.detach()), **stats, "n_tokens": float(mask.bool().sum())}
+    total = pg
+    if ref_logp is not None and beta > 0:
+        m = mask.bool()
+        kl_tok = estimate_kl(logp, ref_logp, kl_kind, old_logp=old_logp)  # [B, T]
+        kl_term = aggregate(kl_tok, m, agg, num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len)
+        total = total + beta * kl_term
+        stats["kl"] = float(kl_term.detach())
+        stats["kl_sum"] = float(torch.where(m, kl_tok.detach(), 0.0).sum())
+    return total, stats
+
+
+@torch.no_grad()
+def truncated_is_weights(
+    trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor, *, cap: float = 2.0
+) -> tuple[Tensor, dict[str, float]]:
+    """Truncated importance sampling for a sampler whose numerics differ from the trainer's.
+
+    w_t = min(exp(log π_old(o_t) − log μ(o_t)), C)                             # [B, T]
+
+    with π_old the trainer's log-probs of the sampled tokens before the update and μ the
+    sampler's (e.g. an inference engine's). The policy gradient is an expectation under π_old but
+    the tokens were drawn from μ; w_t reweights them, truncated at C to bound the variance (Yao et
+    al. 2025, "Your efficient RL framework secretly brings you off-policy RL training": TIS; TRL's
+    ``vllm_importance_sampling_correction``, verl's ``tis_imp_ratio_cap``). Zero at invalid
+    positions. Stats: logprob_diff_mean / logprob_diff_max (|log π_old − log μ| over valid tokens),
+    is_clip_frac (share of valid tokens whose weight was truncated), is_weight_mean.
+    """
+    if not (trainer_logp.shape == sampler_logp.shape == mask.shape):
+        raise ValueError(
+            f"trainer_logp, sampler_logp, mask must share a shape, got {tuple(trainer_logp.shape)}, "
+            f"{tuple(sampler_logp.shape)}, {tuple(mask.shape)}"
+        )
+    if not (math.isfinite(cap) and cap > 0):
+        raise ValueError(f"cap must be finite and > 0, got {cap!r}")
+    m = mask.bool()
+    a = check_logp(trainer_logp, "trainer_logp", m)
+    b = check_logp(sampler_logp, "sampler_logp", m)
+    diff = torch.where(m, a - b, 0.0)  # [B, T]
+    raw = torch.exp(diff.clamp(max=math.log(cap) + 1.0))  # only whether it exceeds cap matters above it
+    w = torch.where(m, raw.clamp(max=cap), 0.0)
+    n = max(int(m.sum()), 1)
+    stats = {
+        "logprob_diff_mean": float(diff.abs().sum()) / n,
+        "logprob_diff_max": float(diff.abs().max()) if m.any() else 0.0,
+        "is_clip_frac": float(((raw > cap) & m).sum()) / n,
+        "is_weight_mean": float(w.sum()) / n if m.any() else 1.0,
+    }
+    return w, stats

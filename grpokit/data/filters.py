@@ -14,13 +14,15 @@ import math
 from dataclasses import dataclass
 
 
-def zero_variance_groups(rewards: list[float], group_size: int) -> list[bool]:
-    """Per group: True when every finite reward of the group is equal (or fewer than 2 are finite)."""
-    out = []
-    for g in range(0, len(rewards), group_size):
-        vals = [r for r in rewards[g:g + group_size] if r is not None and math.isfinite(r)]
-        out.append(len(vals) < 2 or max(vals) - min(vals) == 0)
-    return out
+def zero_variance_groups(rewards: list[float], group_ids: list[int]) -> dict[int, bool]:
+    """Per group id (in order of first appearance): True when every finite reward of the group is
+    equal (or fewer than 2 are finite)."""
+    vals: dict[int, list[float]] = {}
+    for r, g in zip(rewards, group_ids, strict=True):
+        vals.setdefault(g, [])
+        if r is not None and math.isfinite(r):
+            vals[g].append(r)
+    return {g: len(v) < 2 or max(v) - min(v) == 0 for g, v in vals.items()}
 
 
 @dataclass
@@ -33,7 +35,7 @@ class ProxyRules:
 
 
 def proxy_filter(rules: ProxyRules, *, completions: list[str], lengths: list[int], finish_reason: list[str],
-                 rewards: list[float], group_size: int, per_fn: dict[str, list] | None = None) -> list[str | None]:
+                 rewards: list[float], group_ids: list[int], per_fn: dict[str, list] | None = None) -> list[str | None]:
     """Per sample: None to keep, or the name of the first proxy that drops it."""
     out: list[str | None] = []
     seen: dict[int, set[str]] = {}
@@ -52,7 +54,7 @@ def proxy_filter(rules: ProxyRules, *, completions: list[str], lengths: list[int
             if v is None or v <= 0:
                 reason = "format"
         if reason is None and rules.drop_duplicates:
-            group = seen.setdefault(i // group_size, set())
+            group = seen.setdefault(group_ids[i], set())
             key = text.strip()
             if key in group:
                 reason = "duplicate"

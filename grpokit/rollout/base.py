@@ -1,13 +1,14 @@
 """The rollout contract: what an engine returns, and how the next token is drawn.
 
-Any engine (the in-process transformers one here; vLLM or Ray workers later) implements
-`RolloutEngine.generate` and hands back a `RolloutBatch`; the trainer needs nothing else.
+Any engine (the in-process transformers one here; vLLM or a rollout server later) implements
+`RolloutEngine` and hands back a `RolloutBatch`; `grpokit.rollout.registry` names the engines
+that `rollout.engine` can select.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Iterable, Protocol
 
 import torch
 
@@ -48,8 +49,26 @@ class RolloutBatch:
 
 
 class RolloutEngine(Protocol):
+    """What the driver needs of a rollout engine.
+
+    `owns_weights`: False when the engine samples with the training module itself (its sampler
+    log-probs are then the trainer's own, up to the lean decoder's rounding); True when it holds a
+    copy of the weights (another process, vLLM, a server), which `update_weights` refreshes after
+    every optimizer step with full, Hugging Face-named tensors, and whose numerics may differ
+    from the trainer's (the driver then recomputes pi_old and corrects with importance weights,
+    docs/algorithms.md). `release_memory` / `resume_memory` free and restore what the engine
+    holds between rollouts (a colocated engine's KV cache); no-ops where there is nothing."""
+
+    owns_weights: bool
+
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
                  generator: torch.Generator | None = None) -> RolloutBatch: ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None: ...
+
+    def release_memory(self) -> None: ...
+
+    def resume_memory(self) -> None: ...
 
 
 class NonFiniteLogits(ValueError):

@@ -25,13 +25,17 @@ from grpokit.rollout.decoder import LeanDecoder
 
 
 class HFEngine:
-    """Rollout engine over a transformers model (the policy itself: no weight sync needed)."""
+    """Rollout engine over a transformers model: the policy itself (`owns_weights=False`, nothing
+    to sync), or a model of its own whose weights `update_weights` replaces after each optimizer
+    step (`owns_weights=True`: the decoupled-engine path, run in one process)."""
 
-    def __init__(self, model, tokenizer, *, lean: bool = True):
+    def __init__(self, model, tokenizer, *, lean: bool = True, owns_weights: bool = False):
         """`lean`: use grpokit's own forward for models that `LeanDecoder.supports` (same
         distribution, fewer operations per token); False always runs the model's forward."""
         self.model = model
         self.lean = lean
+        self.owns_weights = owns_weights
+        self.weights_version = 0
         self.tokenizer = tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         eos = tokenizer.eos_token_id
@@ -40,6 +44,37 @@ class HFEngine:
         self.eos_ids = sorted(i for i in ids if i is not None)
         if not self.eos_ids:
             raise ValueError("the tokenizer has no EOS token: completions could never finish")
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors, version: int | None = None) -> None:
+        """Load full, Hugging Face-named tensors (`TrainingWorker.export_weights()`) into the
+        engine's model. Every parameter must be given (a tied LM head may be left out); a name
+        the model does not have, or a shape that differs, is an error. No-op when the engine
+        samples with the training module itself."""
+        if not self.owns_weights:
+            self.weights_version = self.weights_version + 1 if version is None else version
+            return
+        state = self.model.state_dict()
+        given = list(named_tensors)          # checked whole before any is loaded: no half-updated model
+        for name, t in given:
+            if name not in state:
+                raise KeyError(f"update_weights: the engine's model has no tensor {name!r}")
+            if tuple(state[name].shape) != tuple(t.shape):
+                raise ValueError(f"update_weights: {name} has shape {tuple(t.shape)}, the engine's {tuple(state[name].shape)}")
+        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+        missing = {n for n, _ in self.model.named_parameters()} - {n for n, _ in given} - tied
+        if missing:
+            raise ValueError(f"update_weights: {len(missing)} parameters not sent, e.g. {sorted(missing)[:3]}")
+        for name, t in given:
+            state[name].copy_(t)
+        self.weights_version = self.weights_version + 1 if version is None else version
+
+    def release_memory(self) -> None:
+        """Free what generation holds between rollouts (nothing for this engine: the KV cache
+        lives only inside `generate`)."""
+
+    def resume_memory(self) -> None:
+        """Undo `release_memory`."""
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams,

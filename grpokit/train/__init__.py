@@ -55,14 +55,14 @@ def kl_target_high(cfg) -> float | None:
 
 def build_trainer(cfg, *, model=None, tokenizer=None, health=True):
     from grpokit.data.datasets import load_prompts
+    from grpokit.train.build import build_policy, load_tokenizer
     from grpokit.train.loop import Trainer
-    from grpokit.train.lora import build_policy
-    from grpokit.train.model import check_round_trip, load_tokenizer
+    from grpokit.train.model import check_round_trip
 
     m = cfg.model
     if tokenizer is None:
         tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)
-    # the policy (LoRA / QLoRA when lora.enabled) and its reference: "adapter_off", a placed copy, or None
+    # the policy (LoRA / QLoRA when lora.enabled) and its reference (grpokit.train.reference), or None
     model, reference = build_policy(cfg, model)
     d = cfg.data
     dataset = load_prompts(d.path, prompt_field=d.prompt_field, answer_field=d.answer_field)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 
-from grpokit.rollout.base import SamplingParams
+from grpokit.rollout.base import NonFiniteLogits, SamplingParams
+
+log = logging.getLogger("grpokit.train")
 
 
 def _passes(values: list, threshold: float) -> list[bool]:
@@ -37,7 +40,7 @@ def evaluate(engine, encoder, reward_set, dataset, cfg, *, samples: int = 0, gen
             keys = sorted({c for r in chunk for c in r if c != "prompt"})
             cols = {c: [r.get(c) for r in chunk for _ in range(k)] for c in keys}
             cols.update(completion_length=batch.lengths.tolist(), finish_reason=batch.finish_reason,
-                        group_id=[i // k for i in range(len(batch))],
+                        group_id=[g for g in range(len(chunk)) for _ in range(k)],
                         max_new_tokens=[cfg.rollout.max_new_tokens] * len(batch))
             prompts = [encoder.text(r["prompt"]) for r in chunk for _ in range(k)]
             res = reward_set.score(prompts, batch.completions, cols)
@@ -45,3 +48,15 @@ def evaluate(engine, encoder, reward_set, dataset, cfg, *, samples: int = 0, gen
         name = "eval/pass@1" if temp == 0.0 else "eval/mean@k"
         out[name] = sum(hits) / max(len(hits), 1)
     return out
+
+
+def held_out(engine, encoder, reward_set, dataset, cfg, *, seed: int, step: int, device="cpu") -> dict:
+    """`evaluate` on its own random stream (evaluation never shifts training's); {} when the
+    rollout met non-finite logits (the guard's business, not a reason to stop the run)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    try:
+        return evaluate(engine, encoder, reward_set, dataset, cfg, samples=cfg.train.eval_samples, generator=gen)
+    except NonFiniteLogits as exc:
+        log.warning("step %d: evaluation skipped: %s", step, exc)
+        return {}

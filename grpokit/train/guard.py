@@ -55,3 +55,53 @@ def _update_cause(ratio_max: float | None, logp_min: float | None, logp_finite: 
 
 class ReferenceDriftError(RuntimeError):
     """The frozen reference's log-probs on the probe batch moved (raised with `guard.ref_strict`)."""
+
+
+class Guard:
+    """Counts what the non-finite guard kept from the weights and decides when to roll back.
+
+    A NaN in one mini-batch skips only that mini-batch's update: the others are sound and are
+    applied. So the counts are kept apart: `guard/skipped_minibatches` counts every skipped
+    update, `guard/skipped_steps` only the steps none of whose updates was applied. A step with
+    any skipped update is *bad* all the same: it counts toward the rollback (a NaN tends to come
+    back) and the next checkpoint is not marked healthy."""
+
+    def __init__(self, max_consecutive_bad: int):
+        self.max_consecutive_bad = max_consecutive_bad
+        self.skipped_steps = 0
+        self.skipped_minibatches = 0
+        self.rollbacks = 0
+        self.consecutive_bad = 0
+        self.bad_since_save = False
+
+    def after_step(self, skipped: int, updates: int) -> bool:
+        """Record a step with `skipped` of its `updates` updates skipped; True when it is time to
+        roll back."""
+        if not skipped:
+            self.consecutive_bad = 0
+            return False
+        self.skipped_minibatches += skipped
+        if skipped >= updates:
+            self.skipped_steps += 1
+        self.consecutive_bad += 1
+        self.bad_since_save = True
+        return self.consecutive_bad >= self.max_consecutive_bad
+
+    def rolled_back(self) -> None:
+        self.rollbacks += 1
+        self.consecutive_bad = 0
+        self.bad_since_save = False          # the weights are the healthy checkpoint's again
+
+    def metrics(self) -> dict[str, float]:
+        return {"guard/skipped_steps": float(self.skipped_steps),
+                "guard/skipped_minibatches": float(self.skipped_minibatches),
+                "guard/rollbacks": float(self.rollbacks)}
+
+    def state_dict(self) -> dict:
+        return {"skipped_steps": self.skipped_steps, "skipped_minibatches": self.skipped_minibatches,
+                "rollbacks": self.rollbacks}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.skipped_steps = s.get("skipped_steps", 0)
+        self.skipped_minibatches = s.get("skipped_minibatches", self.skipped_steps)
+        self.rollbacks = s.get("rollbacks", 0)

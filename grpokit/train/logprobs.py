@@ -183,3 +183,24 @@ def _completion_logprobs(model, mb, temperature, chunk_tokens, want_entropy, log
         ent = torch.cat([p[1] for p in parts], 1)
     maskf = mb.mask.to(dev, logp.dtype)
     return logp * maskf, ent * maskf
+
+
+@torch.no_grad()
+def padded_logprobs(model, mbs: list[MicroBatch], shape: tuple[int, int], *, temperature: float = 1.0,
+                    chunk_tokens: int = 1024) -> torch.Tensor:
+    """Log-probs of the rows covered by `mbs` under `model`, as a [B, T] CPU tensor in the model's
+    output dtype (float32 when nothing is computed); rows not covered and positions past a row's
+    end hold 0. The model runs in eval mode (no dropout) unless the caller installed dropout hooks."""
+    out = None
+    was = model.training
+    model.eval()
+    try:
+        for mb in mbs:
+            lp, _ = completion_logprobs(model, mb, temperature=temperature, chunk_tokens=chunk_tokens)
+            L = lp.shape[1]
+            if out is None:
+                out = torch.zeros(shape, dtype=lp.dtype)
+            out[mb.rows, :L] = torch.where(mb.mask.bool(), lp.detach().cpu(), 0.0)
+    finally:
+        model.train(was)
+    return torch.zeros(shape, dtype=torch.float32) if out is None else out

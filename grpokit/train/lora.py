@@ -1,8 +1,8 @@
 """LoRA and QLoRA policies (seed 3.4 and 5.4): adapters through `peft`, 4-bit base weights through
 `bitsandbytes`, adapter-only and merged saves, and loading either back for evaluation.
 
-The reference of a LoRA run is the policy itself with its adapters disabled (`Trainer(...,
-reference="adapter_off")`): no second copy of the weights. Its log-probs equal the base model's
+The reference of a LoRA run is the policy itself with its adapters disabled
+(`grpokit.train.reference.Reference.of_adapters_off`): no second copy of the weights. Its log-probs equal the base model's
 exactly because the base weights are frozen and never touched; merged saves are therefore built as
 a separate state dict (W + (alpha / r) * B @ A) instead of merging in place, which would perturb W
 by rounding when unmerged.
@@ -20,6 +20,8 @@ import logging
 from pathlib import Path
 
 import torch
+
+from grpokit.train.model import ModelLoadError, _check_dir, load_model, resolve_device, resolve_dtype
 
 # bitsandbytes logs a warning at import on CPUs with AVX512-BF16 when the optional `kernels`
 # package is absent; it then uses its own (slower) kernel, which is fine for us.
@@ -94,8 +96,6 @@ def load_4bit_model(path: str | Path, lcfg, *, dtype: str = "auto", device: str 
     stay in the compute dtype. Raises ModelLoadError with one line when 4-bit cannot run here."""
     from transformers import AutoModelForCausalLM
 
-    from grpokit.train.model import ModelLoadError, _check_dir, resolve_device, resolve_dtype
-
     p = _check_dir(path)
     dev = resolve_device(device)
     missing = four_bit_unavailable(dev)
@@ -139,42 +139,9 @@ def wrap_lora(model, lcfg):
     try:
         peft_model = get_peft_model(model, pcfg)
     except ValueError as exc:         # e.g. a target module that this architecture does not have
-        from grpokit.train.model import ModelLoadError
         raise ModelLoadError(f"lora.target_modules={targets!r}: {str(exc).splitlines()[0]}") from None
     peft_model.eval()                 # like the full fine-tune: the trainer runs the policy in eval mode
     return peft_model
-
-
-def build_policy(cfg, model=None):
-    """(policy, reference) for a config: LoRA/QLoRA when `lora.enabled` (reference "adapter_off"),
-    else the plain model and the reference from grpokit.train.reference.build_reference."""
-    from grpokit.train.model import load_model
-    from grpokit.train.reference import build_reference
-
-    m, lc = cfg.model, cfg.lora
-    if model is None:
-        if lc.enabled and lc.load_in_4bit:
-            model = load_4bit_model(m.path, lc, dtype=m.dtype, device=m.device,
-                                    gradient_checkpointing=m.gradient_checkpointing,
-                                    trust_remote_code=m.trust_remote_code)
-        else:
-            model = load_model(m.path, dtype=m.dtype, device=m.device,
-                               gradient_checkpointing=m.gradient_checkpointing, trust_remote_code=m.trust_remote_code)
-    elif lc.load_in_4bit and not getattr(model, "is_loaded_in_4bit", False):
-        from grpokit.train.model import ModelLoadError
-        raise ModelLoadError("lora.load_in_4bit: the model passed in is not 4-bit; let grpokit load it from model.path")
-    if not lc.enabled:
-        return model, build_reference(cfg, model)
-    if lc.save == "merged" and not cfg.model.path:
-        raise ValueError("lora.save=merged needs model.path")
-    reference = build_reference(cfg, model) if lc.reference == "copy" else "adapter_off"
-    policy = wrap_lora(model, lc)
-    n_train = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-    n_all = sum(p.numel() for p in policy.parameters())
-    log.info("LoRA r=%d alpha=%g on %s: %d trainable parameters of %d (%.2f%%)%s", lc.rank, lc.alpha,
-             target_modules_for(model.config.model_type, lc.target_modules), n_train, n_all,
-             100 * n_train / max(n_all, 1), ", 4-bit base" if lc.load_in_4bit else "")
-    return policy, (reference if cfg.algorithm.kl.beta > 0 else None)
 
 
 # --------------------------------------------------------------------------- saving and loading
@@ -308,8 +275,6 @@ def load_adapter_weights(model, ckpt: Path) -> None:
 
 def resolve_base(adapter_path: Path) -> Path:
     """The base model directory named by an adapter save (absolute, or relative to the adapter)."""
-    from grpokit.train.model import ModelLoadError
-
     data = json.loads((Path(adapter_path) / "adapter_config.json").read_text())
     base = data.get("base_model_name_or_path") or ""
     for cand in (Path(base), Path(adapter_path) / base):
@@ -324,8 +289,6 @@ def load_adapter_model(path: str | Path, *, dtype: str = "auto", device: str = "
     """Base model + saved adapters, for evaluation. The base is loaded in 4 bit when it was trained
     so; otherwise the adapters are merged (plain, faster generation)."""
     from peft import PeftModel
-
-    from grpokit.train.model import load_model
 
     path = Path(path)
     base_dir = resolve_base(path)

@@ -261,7 +261,7 @@ def prompt_tokens_of(cfg, *, limit: int = 2000, default: int = 256) -> int:
     """Longest prompt in tokens among the first `limit` rows of data.path (`default` when unknown)."""
     try:
         from grpokit.data.datasets import load_prompts
-        from grpokit.train.model import load_tokenizer
+        from grpokit.train.build import load_tokenizer
         from grpokit.train.prompts import PromptEncoder
 
         ds = load_prompts(cfg.data.path, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field)

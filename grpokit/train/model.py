@@ -1,8 +1,10 @@
-"""Loading local Hugging Face causal LMs and tokenizers (nothing is ever downloaded)."""
+"""Loading local Hugging Face causal LMs and tokenizers (nothing is ever downloaded).
+
+A leaf: imports nothing else of grpokit. Directories holding LoRA adapters alone are loaded by
+`grpokit.train.build.load_model` / `load_tokenizer`, which dispatch here or to grpokit.train.lora."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 from pathlib import Path
@@ -55,8 +57,7 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False):
 
     p = _check_dir(path)
     if not (p / "tokenizer_config.json").is_file() and (p / "adapter_config.json").is_file():
-        from grpokit.train.lora import resolve_base
-        p = resolve_base(p)                 # LoRA adapters saved without a tokenizer: the base's
+        raise ModelLoadError(f"{p}: LoRA adapters without a tokenizer (load them with grpokit.train.build.load_tokenizer)")
     cfg_file = p / "tokenizer_config.json"
     saved_class = json.loads(cfg_file.read_text()).get("tokenizer_class") if cfg_file.is_file() else None
     if saved_class in _GENERIC_TOKENIZERS and (p / "tokenizer.json").is_file():
@@ -85,9 +86,8 @@ def load_model(path: str | Path, *, dtype: str = "auto", device: str = "auto",
     from transformers import AutoModelForCausalLM
 
     p = _check_dir(path)
-    if not (p / "config.json").is_file():   # LoRA adapters alone: their base + the adapters
-        from grpokit.train.lora import load_adapter_model
-        return load_adapter_model(p, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    if not (p / "config.json").is_file():
+        raise ModelLoadError(f"{p}: LoRA adapters alone, not a model (load them with grpokit.train.build.load_model)")
     dev = resolve_device(device)
     try:
         model = AutoModelForCausalLM.from_pretrained(
@@ -99,15 +99,6 @@ def load_model(path: str | Path, *, dtype: str = "auto", device: str = "auto",
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return model
-
-
-def frozen_copy(model):
-    """A frozen reference snapshot (eval mode, no gradients)."""
-    ref = copy.deepcopy(model)
-    ref.eval()
-    for prm in ref.parameters():
-        prm.requires_grad_(False)
-    return ref
 
 
 def count_parameters(model, trainable_only: bool = False) -> int:

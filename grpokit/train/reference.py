@@ -1,36 +1,39 @@
-"""The frozen reference: where its copy lives, and a cache of its per-sample log-probs.
+"""The frozen reference policy pi_ref of the KL penalty, as one object with one `logprobs()` method.
 
-Seed 5.4 (memory): a separate reference copy can live on the CPU while the policy is on a GPU,
-either run there (`algorithm.kl.ref_device: cpu`) or moved to the policy's device for each
-reference pass and back (`swap`). A LoRA run needs neither: its reference is the policy with the
-adapters disabled (grpokit.train.lora).
+Two kinds, chosen by `grpokit.train.build`:
+- a frozen copy of the policy at the start of training (`Reference.frozen_copy`), placed by
+  `algorithm.kl.ref_device`: on the policy's device, on the CPU (run there), or on the CPU and
+  moved to the policy's device for each reference pass and back (`swap`);
+- a LoRA policy with its adapters disabled (`Reference.adapters_off`): the base weights are the
+  reference, with no second copy of them.
 
-Seed 3.4 (caching): a reference that never changes gives the same log-probs for the same
-(prompt, completion) token ids, so repeated samples (identical completions in a group, prompts seen
-again in a later epoch) are looked up instead of recomputed. Cached vectors come from whichever
-micro-batch first computed them; they can differ from a fresh computation by float rounding only
-(padding changes the summation order), never by more.
+Reference dropout (`algorithm.kl.ref_dropout`, docs/variants.md) applies dropout to the
+reference's hidden states while computing the KL term. The cache (`algorithm.kl.ref_cache`): a
+reference that never changes gives the same log-probs for the same (prompt, completion) token
+ids, so repeated samples (identical completions in a group, prompts seen again in a later epoch)
+are looked up instead of recomputed; a cached row can differ from a fresh computation by float
+rounding only (padding changes the summation order).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections import OrderedDict
 from typing import Callable, Hashable
 
 import torch
 
-from grpokit.train.model import frozen_copy
+from grpokit.train.dropout import hidden_dropout
+from grpokit.train.logprobs import MicroBatch, padded_logprobs
 
 
-def build_reference(cfg, model):
-    """A frozen copy of `model` placed per `algorithm.kl.ref_device`, or None when beta = 0."""
-    k = cfg.algorithm.kl
-    if k.beta == 0:
-        return None
-    ref = frozen_copy(model)
-    if k.ref_device in ("cpu", "swap"):
-        ref.to("cpu")
+def frozen_copy(model):
+    """A frozen snapshot of `model` (eval mode, no gradients)."""
+    ref = copy.deepcopy(model)
+    ref.eval()
+    for prm in ref.parameters():
+        prm.requires_grad_(False)
     return ref
 
 
@@ -95,3 +98,78 @@ class RefLogprobCache:
         return {"ref/cache_hit_rate": self.last_hits / max(self.last_lookups, 1),
                 "ref/cache_hit_rate_total": self.hits / max(self.lookups, 1),
                 "ref/cache_entries": float(len(self.store))}
+
+
+Planner = Callable[[list[int]], list[MicroBatch]]   # rows of a batch -> micro-batches over them
+
+
+class Reference:
+    """pi_ref. `logprobs(batch, plan)` gives its per-token log-probs of a batch's completions."""
+
+    def __init__(self, module, *, adapters_off: bool = False, device: torch.device | str | None = None,
+                 swap: bool = False, dropout: float = 0.0, cache_size: int = 0,
+                 temperature: float = 1.0, chunk_tokens: int = 1024):
+        if adapters_off and not hasattr(module, "disable_adapter"):
+            raise ValueError("an adapters-off reference needs a PEFT model")
+        self.module = module
+        self.adapters_off = adapters_off
+        self.device = torch.device(device) if device is not None else next(module.parameters()).device
+        self.swap = swap
+        self.dropout = dropout
+        self.temperature, self.chunk_tokens = temperature, chunk_tokens
+        # cached vectors would freeze one draw of the dropout mask: no cache with dropout
+        self.cache = RefLogprobCache(cache_size) if cache_size and dropout == 0 else None
+
+    @classmethod
+    def frozen(cls, model, *, placement: str = "same", **kw) -> "Reference":
+        """A frozen copy of `model`, placed per `placement` ("same" | "cpu" | "swap")."""
+        ref = frozen_copy(model)
+        device = next(model.parameters()).device
+        if placement in ("cpu", "swap"):
+            ref.to("cpu")
+        return cls(ref, device="cpu" if placement == "cpu" else device, swap=placement == "swap", **kw)
+
+    @classmethod
+    def of_adapters_off(cls, peft_model, **kw) -> "Reference":
+        return cls(peft_model, adapters_off=True, **kw)
+
+    @contextlib.contextmanager
+    def _active(self, dropout: float):
+        """The module that computes pi_ref, ready to run (adapters off / swapped in, dropout hooks)."""
+        if self.adapters_off:
+            with self.module.disable_adapter(), hidden_dropout(self.module, dropout):
+                yield self.module
+        else:
+            with hidden_dropout(self.module, dropout), swapped_in(self.module, self.device, self.swap):
+                yield self.module
+
+    def _compute(self, plan: Planner, rows: list[int], shape, dropout: float) -> torch.Tensor:
+        with self._active(dropout) as module:
+            return padded_logprobs(module, plan(rows), shape, temperature=self.temperature,
+                                   chunk_tokens=self.chunk_tokens)
+
+    def logprobs(self, batch, plan: Planner, *, rows: list[int] | None = None,
+                 dropout: bool = True) -> torch.Tensor:
+        """[B, T] reference log-probs of `batch` (a `grpokit.train.batch.Batch`) for `rows` (all by
+        default; other rows hold 0), through the cache when there is one. `plan` cuts rows into
+        micro-batches. `dropout=False` turns reference dropout off (the integrity probe)."""
+        rows = list(range(len(batch))) if rows is None else rows
+        shape = tuple(batch.mask.shape)
+        p = self.dropout if dropout else 0.0
+        if self.cache is None or not dropout:
+            return self._compute(plan, rows, shape, p)
+        keys = {r: RefLogprobCache.key(batch.prompt_ids[r], batch.completion_ids[r, :int(batch.mask[r].sum())])
+                for r in rows}
+
+        def compute(todo: list[int]) -> dict[int, torch.Tensor]:
+            full = self._compute(plan, todo, shape, p)
+            return {r: full[r, :int(batch.mask[r].sum())].clone() for r in todo}
+
+        per_row = self.cache.fetch(keys, compute)
+        out = torch.zeros(shape, dtype=next(iter(per_row.values())).dtype if per_row else torch.float32)
+        for r, v in per_row.items():
+            out[r, :len(v)] = v
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        return self.cache.metrics() if self.cache is not None else {}

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from grpokit.algo.kl import estimate
 from grpokit.algo.loss import AGGREGATIONS, aggregate, policy_loss
+from grpokit.algo import kl as kl_mod
+from grpokit.algo import loss as loss_mod
 
 T = torch.tensor
 F64 = torch.float64
@@ -352,3 +354,58 @@ def test_aggregate_refuses_non_finite_values_at_valid_positions():
     assert aggregate(x, torch.tensor([[1, 0], [0, 1]])).item() == 1.5          # garbage at masked positions is fine
     with pytest.raises(ValueError, match="NaN or inf"):
         aggregate(x, torch.ones((2, 2)))
+
+
+def test_truncated_is_weights_hand_worked():
+    # log pi_old - log mu per token: [0.5, -1.0, 2.0 | pad], cap C = 2
+    #   w = min(e^0.5, 2) = 1.6487213, min(e^-1, 2) = 0.3678794, min(e^2 = 7.389, 2) = 2 (truncated)
+    #   |diff| mean = (0.5 + 1 + 2) / 3 = 1.1666667, max 2; clipped 1 of 3; mean weight 4.0166007 / 3
+    old = torch.tensor([[-1.0, -2.0, -0.5, 9.0]], dtype=torch.float64)
+    mu = torch.tensor([[-1.5, -1.0, -2.5, float("nan")]], dtype=torch.float64)   # pad may hold anything
+    mask = torch.tensor([[1, 1, 1, 0]])
+    w, st = loss_mod.truncated_is_weights(old, mu, mask, cap=2.0)
+    assert w.tolist()[0] == pytest.approx([1.6487213, 0.3678794, 2.0, 0.0], abs=1e-7)
+    assert st["logprob_diff_mean"] == pytest.approx(3.5 / 3)
+    assert st["logprob_diff_max"] == pytest.approx(2.0)
+    assert st["is_clip_frac"] == pytest.approx(1 / 3)
+    assert st["is_weight_mean"] == pytest.approx((1.6487213 + 0.3678794 + 2.0) / 3, abs=1e-7)
+    # same numerics on both sides: every weight is exactly 1, nothing clipped
+    w1, st1 = loss_mod.truncated_is_weights(old, old, mask)
+    assert torch.equal(w1, mask.to(w1.dtype)) and st1["is_clip_frac"] == 0.0
+    with pytest.raises(ValueError, match="cap"):
+        loss_mod.truncated_is_weights(old, mu, mask, cap=float("inf"))
+
+
+def test_is_weights_scale_the_per_token_surrogate_hand_worked():
+    # ratio 1 (logp = old), A = [1, -2], token_mean over 3 valid tokens; per-token loss = -A
+    #   row 0: tokens (w 0.5, w 2.0) -> -1*0.5 + -1*2.0 = -2.5; row 1: one token, w 1.5 -> 2*1.5 = 3
+    #   loss = (-2.5 + 3.0) / 3 = 0.1666667; without weights (-1 - 1 + 2) / 3 = 0
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]], dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 1], [1, 0]])
+    w = torch.tensor([[0.5, 2.0], [1.5, 0.0]], dtype=torch.float64)
+    loss, st = loss_mod.grpo_loss(logp, logp.detach(), adv, mask, is_weights=w)
+    assert float(loss) == pytest.approx(0.5 / 3)
+    assert float(loss_mod.grpo_loss(logp, logp.detach(), adv, mask)[0]) == pytest.approx(0.0)
+    loss.backward()                       # d/dlogp of -A*w*exp(logp-old) at ratio 1 = -A*w / 3
+    assert logp.grad.flatten().tolist() == pytest.approx([-0.5 / 3, -2.0 / 3, 3.0 / 3, 0.0])
+
+
+def test_grpo_loss_is_surrogate_plus_beta_kl_with_global_counts():
+    g = torch.Generator().manual_seed(3)
+    logp = -torch.rand(4, 5, generator=g, dtype=torch.float64)
+    old = logp + 0.1 * torch.randn(4, 5, generator=g, dtype=torch.float64)
+    ref = logp + 0.2 * torch.randn(4, 5, generator=g, dtype=torch.float64)
+    adv = torch.randn(4, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])
+    for agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"):
+        whole, st = loss_mod.grpo_loss(logp, old, adv, mask, ref_logp=ref, beta=0.3, kl_kind="k3", agg=agg, max_len=5)
+        pg, _ = loss_mod.policy_loss(logp, old, adv, mask, agg=agg, max_len=5)
+        kl = loss_mod.aggregate(kl_mod.estimate(logp, ref, "k3"), mask, agg, max_len=5)
+        assert float(whole) == pytest.approx(float(pg + 0.3 * kl), abs=1e-12)
+        # two micro-batches with the whole batch's counts sum to the whole loss
+        parts = sum(float(loss_mod.grpo_loss(logp[s], old[s], adv[s], mask[s], ref_logp=ref[s], beta=0.3, agg=agg,
+                                             max_len=5, num_tokens=int(mask.sum()), num_seqs=4)[0])
+                    for s in (slice(0, 1), slice(1, 4)))
+        assert parts == pytest.approx(float(whole), abs=1e-12)
+        assert st["kl_sum"] == pytest.approx(float(torch.where(mask.bool(), kl_mod.estimate(logp, ref, "k3"), 0.0).sum()))

@@ -12,18 +12,24 @@ from grpokit.tasks.tiny import build_char_tokenizer
 def test_zero_variance_groups_follow_dapo_eq_11():
     # groups of 4: all correct, all wrong, mixed, one scored + three unscored (fewer than 2 finite)
     r = [1, 1, 1, 1, 0, 0, 0, 0, 1, 0, 0, 1, 1, math.nan, math.nan, math.nan]
-    assert zero_variance_groups(r, 4) == [True, True, False, True]
+    ids = [g for g in range(4) for _ in range(4)]
+    assert zero_variance_groups(r, ids) == {0: True, 1: True, 2: False, 3: True}
+    # groups are named by id, not position: interleaved rows and arbitrary ids give the same verdicts
+    assert zero_variance_groups([1, 0, 1, 0, 1, 1], [7, 3, 7, 3, 3, 7]) == {7: True, 3: False}
 
 
 def test_proxy_filter_names_the_first_proxy_that_drops():
     rules = ProxyRules(max_length=5, drop_truncated=True, drop_duplicates=True, format_reward="fmt")
     out = proxy_filter(rules, completions=["a", "a", "b", "toolong", "c", "d"], lengths=[1, 1, 1, 7, 1, 1],
                        finish_reason=["eos", "eos", "eos", "length", "length", "eos"],
-                       rewards=[1.0, 1.0, math.nan, 0.0, 1.0, 1.0], group_size=3,
+                       rewards=[1.0, 1.0, math.nan, 0.0, 1.0, 1.0], group_ids=[0, 0, 0, 1, 1, 1],
                        per_fn={"fmt": [1, 1, 1, 1, 1, 0]})
     assert out == [None, "duplicate", "nonfinite_reward", "too_long", "truncated", "format"]
     assert proxy_filter(ProxyRules(), completions=["x"], lengths=[1], finish_reason=["eos"], rewards=[0.5],
-                        group_size=1) == [None]
+                        group_ids=[0]) == [None]
+    # duplicates count within a group only: the same text in two groups is kept in both
+    assert proxy_filter(ProxyRules(drop_duplicates=True), completions=["a", "a", "a"], lengths=[1, 1, 1],
+                        finish_reason=["eos"] * 3, rewards=[1.0] * 3, group_ids=[5, 9, 5]) == [None, None, "duplicate"]
 
 
 def test_curriculum_serves_easy_prompts_first_and_raises_the_threshold():

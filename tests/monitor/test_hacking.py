@@ -117,7 +117,7 @@ def test_a_reward_that_counts_the_answer_is_hacked_and_an_alarm_fires(warm):
 
 
 def _share_repeating(tr) -> float:
-    completions = tr._last[1].completions
+    completions = tr.last_batch.completions
     return sum(len(c.split()) >= 2 for c in completions) / len(completions)
 
 

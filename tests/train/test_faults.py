@@ -182,7 +182,7 @@ def test_zero_std_groups_give_advantage_exactly_zero(setup, adv_eps):
     tr = _trainer(setup, f"flat{adv_eps}", **{"rewards": "[{name: test_constant}]", "train.steps": 2,
                                               "algorithm.adv_eps": adv_eps})
     tr.train()
-    adv = tr._last[3]
+    adv = tr.last_batch.advantages
     assert torch.equal(adv, torch.zeros_like(adv))
     rows = _rows(tr.run_dir, "metrics.jsonl")
     assert all(r["group/frac_zero_std"] == 1.0 and r["guard/skipped_steps"] == 0 for r in rows)
@@ -277,7 +277,7 @@ def test_k_bad_steps_in_a_row_roll_back_to_the_last_healthy_checkpoint(setup):
     def progress(step, m):
         kept[step] = sorted(p.name for p in ckdir.iterdir() if p.name.startswith("step_"))
         after[step] = _weights(tr.model)
-        adam[step] = tr.optimizer.state_dict()["state"][0]["exp_avg"].clone()
+        adam[step] = tr.worker.optimizer.state_dict()["state"][0]["exp_avg"].clone()
         if step == 4:
             with torch.no_grad():
                 for p in tr.model.parameters():
@@ -311,7 +311,7 @@ def test_a_run_that_keeps_failing_stops_with_an_error(setup, save_every, why):
     _poison(tr, set(range(2, 9)), _nan)
     with pytest.raises(RuntimeError, match=f"training diverged .*{why}"):
         tr.train()
-    assert tr.rollbacks == (2 if save_every else 0)
+    assert tr.guard.rollbacks == (2 if save_every else 0)
 
 
 # ---------------------------------------------------------------------------------------- reference
@@ -320,7 +320,7 @@ def _corrupt_reference_after(tr, step: int):
     def progress(s, m):
         if s == step:
             with torch.no_grad():
-                tr.reference.get_output_embeddings().weight.mul_(1.01)   # a bug writes into it
+                tr.reference.module.get_output_embeddings().weight.mul_(1.01)   # a bug writes into it
     return progress
 
 

@@ -48,7 +48,7 @@ def test_micro_batches_give_the_whole_batch_gradient(setup, agg):
         tr = build_trainer(cfg, health=False)
         tr.model.double()
         if tr.reference is not None:
-            tr.reference.double()
+            tr.reference.module.double()
         m = tr.step()
         assert m["optim/grad_norm"] > 0
         weights.append(_weights(tr.model))
@@ -133,22 +133,22 @@ def test_mask_truncated_takes_truncated_rows_out_of_the_loss(setup):
         torch.manual_seed(0)
         tr = build_trainer(cfg, health=False)
         G = cfg.rollout.group_size
-        sample, update, seen = tr.sample, tr.update, []
+        sample, update, seen = tr.sample, tr.worker.train_step, []
 
         def sample_two_groups_truncated(rows):
             batch = sample(rows)
             batch.finish_reason = ["length" if i < 2 * G else "eos" for i in range(len(batch))]
             return batch
 
-        def spy_update(data, beta):
+        def spy_update(data, beta, **kw):
             seen.append(data)
-            return update(data, beta)
+            return update(data, beta, **kw)
 
-        tr.sample, tr.update = sample_two_groups_truncated, spy_update
+        tr.sample, tr.worker.train_step = sample_two_groups_truncated, spy_update
         before = _weights(tr.model).clone()
         m = tr.step()
         data = seen[0]
-        full = data.rollout.completion_mask
+        full = data.mask
         assert full[: 2 * G].sum() > 0                                  # the truncated rows have tokens
         assert data.advantages[: 2 * G].abs().sum() > 0 and data.advantages[2 * G:].abs().sum() == 0
         if flag:

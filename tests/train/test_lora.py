@@ -10,7 +10,9 @@ from grpokit.config import load_config
 from grpokit.train import build_trainer
 from grpokit.train import forward as lean_forward
 from grpokit.train.lora import four_bit_unavailable, merged_state_dict
-from grpokit.train.model import load_model
+from grpokit.train.batch import from_rollout
+from grpokit.train.build import load_model
+from grpokit.train.logprobs import padded_logprobs
 from grpokit.train.reference import RefLogprobCache
 from tests.fixtures import arithmetic_files, small_overrides, tiny_model_dir
 
@@ -36,8 +38,13 @@ def _trainer(setup, name, **extra):
 
 def _batch(tr):
     rows = [tr.dataset[i] for i in range(4)]
-    batch = tr.sample(rows)
-    return batch, tr.micro_batches(batch, list(range(len(batch))))
+    return from_rollout(tr.sample(rows), list(range(4)), rows, tr.cfg.rollout.group_size)
+
+
+def _logprobs(tr, model, batch):
+    """[B, T] log-probs of `batch` under any `model`, cut into the worker's micro-batches."""
+    return padded_logprobs(model, tr.worker.plan(batch, list(range(len(batch)))), tuple(batch.mask.shape),
+                           temperature=tr.cfg.rollout.temperature)
 
 
 def _adapters(model):
@@ -51,24 +58,23 @@ def _base(model):
 def test_adapter_off_reference_equals_base_model_exactly_before_and_after_updates(setup):
     _, model_dir, _, _ = setup
     tr = _trainer(setup, "ref_exact")
-    assert tr.ref_adapter_off and tr.reference is tr.model           # no second copy of the weights
+    assert tr.reference.adapters_off and tr.reference.module is tr.model   # no second copy of the weights
     base = load_model(model_dir, dtype="float32", device="cpu")
-    batch, mbs = _batch(tr)
+    batch = _batch(tr)
     for step in range(3):
-        ref = tr.ref_logprobs(mbs)
+        ref = tr.worker.logprobs(batch, "reference")
         with lean_forward.disabled():          # the same forward code as the adapter-off reference
-            want = tr.logprobs_of(base, mbs)
-        for r in want:
-            assert torch.equal(ref[r], want[r]), f"step {step}, row {r}"
+            want = _logprobs(tr, base, batch)
+        assert torch.equal(ref, want), f"step {step}"
         tr.step()
         tr.step_idx += 1
-    pol = tr.logprobs_of(tr.model, mbs)                               # the policy itself did move
-    assert max(float((pol[r] - want[r]).abs().max()) for r in want) > 1e-4
+    pol = tr.worker.logprobs(batch, "policy")                         # the policy itself did move
+    assert float((pol - want).abs().max()) > 1e-4
 
 
 def test_lora_grpo_trains_only_the_adapters(setup):
     tr = _trainer(setup, "only_adapters", **{"train.steps": 3})
-    trained = {id(p) for g in tr.optimizer.param_groups for p in g["params"]}
+    trained = {id(p) for g in tr.worker.optimizer.param_groups for p in g["params"]}
     named = dict(tr.model.named_parameters())
     assert trained == {id(p) for n, p in named.items() if "lora_" in n}
     base0, ad0 = _base(tr.model), _adapters(tr.model)
@@ -160,22 +166,20 @@ def test_reference_cache_counts_hits_and_evicts():
 
 def test_trainer_reference_cache_matches_uncached_logprobs(setup):
     tr = _trainer(setup, "cache", **{"algorithm.kl.ref_cache": 1000})
-    batch, mbs = _batch(tr)
-    rows = list(range(len(batch)))
-    plain = tr.ref_logprobs(mbs)
-    first = tr.cached_ref_logprobs(batch, rows, mbs)
-    again = tr.cached_ref_logprobs(batch, rows, mbs)
-    assert tr.ref_cache.metrics()["ref/cache_hit_rate"] == 1.0
-    for r in rows:
-        torch.testing.assert_close(first[r], plain[r], atol=1e-6, rtol=0)
-        assert torch.equal(again[r], first[r])
+    batch = _batch(tr)
+    plain = tr.worker.logprobs(batch, "reference", dropout=False)      # dropout off: never cached
+    first = tr.worker.logprobs(batch, "reference")
+    again = tr.worker.logprobs(batch, "reference")
+    assert tr.reference.metrics()["ref/cache_hit_rate"] == 1.0
+    torch.testing.assert_close(first, plain, atol=1e-6, rtol=0)
+    assert torch.equal(again, first)
     m = tr.step()
     assert 0.0 <= m["ref/cache_hit_rate"] <= 1.0 and m["ref/cache_entries"] > 0
 
 
 def test_reference_copy_on_cpu(setup):
     tr = _trainer(setup, "refcpu", **{"lora.enabled": False, "algorithm.kl.ref_device": "cpu", "optim.lr": 1e-3})
-    assert tr.reference is not tr.model and next(tr.reference.parameters()).device.type == "cpu"
+    assert tr.reference.module is not tr.model and next(tr.reference.module.parameters()).device.type == "cpu"
     tr.step()
 
 
@@ -184,13 +188,12 @@ def test_reference_copy_on_cpu(setup):
 def test_reference_offload_on_gpu(setup, where):
     tr = _trainer(setup, f"ref_{where}", **{"lora.enabled": False, "model.device": "cuda",
                                             "algorithm.kl.ref_device": where, "optim.lr": 1e-3})
-    assert next(tr.model.parameters()).is_cuda and next(tr.reference.parameters()).device.type == "cpu"
-    batch, mbs = _batch(tr)
-    ref = tr.ref_logprobs(mbs)
-    pol = tr.logprobs_of(tr.model, mbs)                  # the same weights: the same log-probs
-    for r in ref:
-        torch.testing.assert_close(ref[r].to(pol[r].device), pol[r], atol=1e-4, rtol=1e-4)
-    assert next(tr.reference.parameters()).device.type == "cpu"
+    assert next(tr.model.parameters()).is_cuda and next(tr.reference.module.parameters()).device.type == "cpu"
+    batch = _batch(tr)
+    ref = tr.worker.logprobs(batch, "reference")
+    pol = tr.worker.logprobs(batch, "policy")            # the same weights: the same log-probs
+    torch.testing.assert_close(ref, pol, atol=1e-4, rtol=1e-4)
+    assert next(tr.reference.module.parameters()).device.type == "cpu"
 
 
 def test_4bit_error_names_what_is_missing(setup, monkeypatch, capsys):
@@ -216,14 +219,13 @@ def test_4bit_error_names_what_is_missing(setup, monkeypatch, capsys):
 def test_qlora_trains_with_an_exact_adapter_off_reference(setup):
     tr = _trainer(setup, "qlora", **{"lora.load_in_4bit": True, "train.steps": 2, "lora.save": "merged"})
     assert getattr(tr.model.get_base_model(), "is_loaded_in_4bit", False)
-    batch, mbs = _batch(tr)
-    ref0 = tr.ref_logprobs(mbs)
+    batch = _batch(tr)
+    ref0 = tr.worker.logprobs(batch, "reference")
     ad0 = _adapters(tr.model)
     tr.train()
     assert any(not torch.equal(v, ad0[n]) for n, v in _adapters(tr.model).items())
-    ref1 = tr.ref_logprobs(mbs)
-    for r in ref0:
-        assert torch.equal(ref0[r], ref1[r])
+    ref1 = tr.worker.logprobs(batch, "reference")
+    assert torch.equal(ref0, ref1)
     # the merged save is a plain full-precision model equal to the 4-bit policy up to rounding
     ck = tr.run_dir / "checkpoints" / "step_000002"
     assert "quantization_config" not in json.loads((ck / "config.json").read_text())

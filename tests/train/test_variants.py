@@ -34,16 +34,18 @@ def test_dynamic_sampling_refills_and_stops_at_the_round_limit(setup):
         "rollout.dynamic_sampling": True, "rollout.max_sampling_rounds": 6,
         "rewards": "[{name: test_one_group_varies}]"}))
     tr = build_trainer(cfg, health=False)
-    idx, batch, scored, info = tr.collect()
+    batch, info = tr.collect()
+    idx = [int(batch.prompt_index[rows[0]]) for rows in batch.group_rows()]
     assert len(idx) == cfg.prompts_per_step == 4 and len(batch) == 16
     assert all(int(tr.dataset[i]["prompt"].split("+")[0]) % 2 == 0 for i in idx)   # only varied groups kept
+    assert len(set(batch.group_id.tolist())) == 4 and len(set(batch.uid)) == 16    # ids stay distinct across rounds
     assert 1 <= info["dynamic/rounds"] <= 6
     # a reward with no variance at all: every round is spent, the last batch is used as is
     cfg = load_config(None, small_overrides(model_dir, train, root / "dyn2", **{
         "rollout.dynamic_sampling": True, "rollout.max_sampling_rounds": 3, "rewards": "[{name: exact_match}]"}))
     tr = build_trainer(cfg, health=False)
     tr.sampler.next(0)
-    idx, batch, scored, info = tr.collect()
+    batch, info = tr.collect()
     assert info["dynamic/rounds"] == 3 and info["dynamic/kept_groups"] == 0 and len(batch) == 16
 
 
@@ -54,10 +56,11 @@ def test_reference_dropout_changes_reference_logprobs_only_while_active(setup):
     ids = torch.tensor([tok("12", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]])
     mb = build_micro_batch([0], [tok("3+9=")["input_ids"]], ids, torch.ones_like(ids), tok.pad_token_id)
     with torch.no_grad():
-        base = completion_logprobs(tr.reference, mb)[0]
-        with hidden_dropout(tr.reference, 0.5):
-            dropped = completion_logprobs(tr.reference, mb)[0]
-        after = completion_logprobs(tr.reference, mb)[0]
+        ref = tr.reference.module
+        base = completion_logprobs(ref, mb)[0]
+        with hidden_dropout(ref, 0.5):
+            dropped = completion_logprobs(ref, mb)[0]
+        after = completion_logprobs(ref, mb)[0]
     assert not torch.allclose(base, dropped)
     torch.testing.assert_close(base, after)
 

@@ -1,0 +1,164 @@
+"""The explicit batch every stage of a step reads and writes.
+
+B completions, grouped: each row carries a uid, the dataset index of its prompt and its group id,
+so nothing derives a group from a row's position. Log-probs (sampler, old, reference) are padded
+tensors [B, T] sharing one completion mask; `loss_mask` is the mask the loss uses (transforms may
+zero rows of it). A batch is cut by whole groups (`slice_groups`), which is what data-parallel
+ranks take: group statistics then stay within one rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+
+from grpokit.rollout.base import RolloutBatch
+
+
+@dataclass
+class Batch:
+    uid: list[str]                        # [B] unique in the run: "<step>-<group>-<sample>"
+    prompt_index: torch.Tensor            # [B] long: dataset index of the row's prompt
+    group_id: torch.Tensor                # [B] long: equal within a group, 0..n_groups-1
+    rows: list[dict]                      # [B] the dataset row of each completion's prompt
+    prompt_ids: list[list[int]]           # [B] prompt token ids (unpadded)
+    completion_ids: torch.Tensor          # [B, T] right-padded with pad_id
+    mask: torch.Tensor                    # [B, T] long: 1 on generated tokens (EOS included)
+    sampler_logp: torch.Tensor            # [B, T] log-probs of the distribution sampled from
+    finish_reason: list[str]              # [B] "eos" | "length"
+    completions: list[str]                # [B] decoded text
+    resampled: int = 0                    # over-confidence resampling events in the rollout
+    rewards: torch.Tensor | None = None   # [B] float64 weighted reward, NaN = not scored
+    scores: dict[str, list] = field(default_factory=dict)   # reward function -> [B] scores (None = failed)
+    reward_metrics: dict[str, float] = field(default_factory=dict)
+    loss_mask: torch.Tensor | None = None  # [B, T] the mask the loss uses (defaults to `mask`)
+    advantages: torch.Tensor | None = None  # [B]
+    frac_zero_std: float | None = None     # share of groups whose rewards are all equal
+    old_logp: torch.Tensor | None = None   # [B, T] pi_old (None: the current policy, detached)
+    ref_logp: torch.Tensor | None = None   # [B, T] reference log-probs
+    is_weights: torch.Tensor | None = None  # [B, T] sampler/trainer importance weights
+    rewrites: tuple[list[list[int]], list[list[int]]] | None = None   # (contexts, note targets)
+
+    def __post_init__(self):
+        if self.loss_mask is None:
+            self.loss_mask = self.mask.clone()
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+    @property
+    def lengths(self) -> torch.Tensor:    # [B]
+        return self.mask.sum(-1)
+
+    @property
+    def groups(self) -> list[int]:
+        """The distinct group ids, in order of first appearance."""
+        return list(dict.fromkeys(self.group_id.tolist()))
+
+    def group_rows(self) -> list[list[int]]:
+        """Row indices of each group, in `groups` order."""
+        at: dict[int, list[int]] = {}
+        for i, g in enumerate(self.group_id.tolist()):
+            at.setdefault(g, []).append(i)
+        return list(at.values())
+
+    def row_logp(self, which: str, i: int) -> torch.Tensor:
+        """Row i of a [B, T] log-prob tensor, cut to its completion length."""
+        return getattr(self, which)[i, :int(self.mask[i].sum())]
+
+
+def from_rollout(rb: RolloutBatch, prompt_index: list[int], rows: list[dict], group_size: int, *,
+                 step: int = 0, first_group: int = 0) -> Batch:
+    """Label an engine's output (G samples of each prompt, group after group) with uids, prompt
+    indices and group ids. `first_group` numbers this batch's groups after earlier ones."""
+    G, n = group_size, len(prompt_index)
+    if len(rb) != n * G:
+        raise ValueError(f"the engine returned {len(rb)} completions for {n} prompts x {G} samples")
+    gid = [first_group + g for g in range(n) for _ in range(G)]
+    return Batch(
+        uid=[f"{step}-{g}-{k}" for g in range(first_group, first_group + n) for k in range(G)],
+        prompt_index=torch.tensor([i for i in prompt_index for _ in range(G)], dtype=torch.long),
+        group_id=torch.tensor(gid, dtype=torch.long),
+        rows=[r for r in rows for _ in range(G)],
+        prompt_ids=list(rb.prompt_ids), completion_ids=rb.completion_ids, mask=rb.completion_mask,
+        sampler_logp=rb.sampler_logprobs, finish_reason=list(rb.finish_reason),
+        completions=list(rb.completions), resampled=rb.resampled)
+
+
+_PER_ROW_TENSORS = ("prompt_index", "group_id", "rewards", "advantages")
+_PER_TOKEN_TENSORS = ("completion_ids", "mask", "sampler_logp", "loss_mask", "old_logp", "ref_logp", "is_weights")
+_PER_ROW_LISTS = ("uid", "rows", "prompt_ids", "finish_reason", "completions")
+
+
+def select(batch: Batch, rows: list[int]) -> Batch:
+    """The sub-batch of `rows` (in that order), trimmed to its longest completion."""
+    idx = torch.tensor(rows, dtype=torch.long)
+    T = max(int(batch.mask[idx].sum(-1).max()), 1) if rows else 1
+    out = {}
+    for f in _PER_ROW_TENSORS:
+        v = getattr(batch, f)
+        out[f] = None if v is None else v[idx]
+    for f in _PER_TOKEN_TENSORS:
+        v = getattr(batch, f)
+        out[f] = None if v is None else v[idx, :T]
+    for f in _PER_ROW_LISTS:
+        v = getattr(batch, f)
+        out[f] = [v[r] for r in rows]
+    out["scores"] = {k: [v[r] for r in rows] for k, v in batch.scores.items()}
+    out["rewrites"] = None                 # rewriting is per step, not per slice
+    return replace(batch, **out)
+
+
+def slice_groups(batch: Batch, groups: list[int]) -> Batch:
+    """The rows of the given group ids, whole groups only, in the batch's row order."""
+    want = set(groups)
+    unknown = want - set(batch.group_id.tolist())
+    if unknown:
+        raise ValueError(f"no group {sorted(unknown)[:3]} in this batch")
+    return select(batch, [i for i, g in enumerate(batch.group_id.tolist()) if g in want])
+
+
+def shard_groups(batch: Batch, rank: int, world: int) -> Batch:
+    """Rank `rank`'s share of the batch's groups (round-robin by group order): whole groups only,
+    so a group never spans ranks."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} not in [0, {world})")
+    return slice_groups(batch, batch.groups[rank::world])
+
+
+def concat(batches: list[Batch], pad_id: int) -> Batch:
+    """Stack batches row-wise, right-padding per-token tensors to the longest."""
+    if not batches:
+        raise ValueError("nothing to concatenate")
+    T = max(b.completion_ids.shape[1] for b in batches)
+
+    def pad(t: torch.Tensor, value) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, T - t.shape[1]), value=value)
+
+    out = {}
+    for f in _PER_ROW_TENSORS:
+        vs = [getattr(b, f) for b in batches]
+        out[f] = None if any(v is None for v in vs) else torch.cat(vs)
+    for f in _PER_TOKEN_TENSORS:
+        vs = [getattr(b, f) for b in batches]
+        out[f] = None if any(v is None for v in vs) else torch.cat(
+            [pad(v, pad_id if f == "completion_ids" else 0) for v in vs])
+    for f in _PER_ROW_LISTS:
+        out[f] = [x for b in batches for x in getattr(b, f)]
+    out["scores"] = {k: [x for b in batches for x in b.scores[k]] for k in batches[0].scores}
+    out["resampled"] = sum(b.resampled for b in batches)
+    out["rewrites"] = None
+    return replace(batches[0], **out)
+
+
+def check(batch: Batch) -> None:
+    """Raise if the batch's fields disagree in size (a transform or engine bug)."""
+    B = len(batch)
+    for f in fields(batch):
+        v = getattr(batch, f.name)
+        if f.name in _PER_ROW_LISTS or f.name in _PER_ROW_TENSORS:
+            if v is not None and len(v) != B:
+                raise ValueError(f"batch.{f.name} has {len(v)} rows, the batch {B}")
+        elif f.name in _PER_TOKEN_TENSORS and v is not None and tuple(v.shape) != tuple(batch.mask.shape):
+            raise ValueError(f"batch.{f.name} has shape {tuple(v.shape)}, the mask {tuple(batch.mask.shape)}")

@@ -1,0 +1,82 @@
+"""From config to the objects a run trains: the policy (plain, LoRA or QLoRA) and its reference.
+
+The one place that chooses between grpokit.train.model (plain Hugging Face directories) and
+grpokit.train.lora (adapters, 4-bit bases); neither of those imports the other's caller.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from grpokit.train import lora, model as model_lib
+from grpokit.train.model import ModelLoadError, _check_dir
+from grpokit.train.reference import Reference
+
+log = logging.getLogger("grpokit.train")
+
+
+def _is_adapter_dir(p: Path) -> bool:
+    return not (p / "config.json").is_file() and (p / "adapter_config.json").is_file()
+
+
+def load_model(path: str | Path, *, dtype: str = "auto", device: str = "auto",
+               gradient_checkpointing: bool = False, trust_remote_code: bool = False):
+    """A local model directory, or a directory of LoRA adapters (their base + the adapters)."""
+    p = _check_dir(path)
+    if _is_adapter_dir(p):
+        return lora.load_adapter_model(p, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    return model_lib.load_model(p, dtype=dtype, device=device, gradient_checkpointing=gradient_checkpointing,
+                                trust_remote_code=trust_remote_code)
+
+
+def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False):
+    """The tokenizer of a model directory, or of the base of an adapters-only directory."""
+    p = _check_dir(path)
+    if not (p / "tokenizer_config.json").is_file() and (p / "adapter_config.json").is_file():
+        p = lora.resolve_base(p)            # LoRA adapters saved without a tokenizer: the base's
+    return model_lib.load_tokenizer(p, trust_remote_code=trust_remote_code)
+
+
+def reference_for(cfg, policy) -> Reference | None:
+    """pi_ref for `policy`: None when beta = 0; the policy with its adapters off for a LoRA policy
+    (unless `lora.reference: copy`); otherwise a frozen copy placed per `algorithm.kl.ref_device`."""
+    k = cfg.algorithm.kl
+    if k.beta == 0:
+        return None
+    kw = dict(dropout=k.ref_dropout, cache_size=k.ref_cache, temperature=cfg.rollout.temperature,
+              chunk_tokens=cfg.optim.logprob_chunk)
+    if lora.is_peft(policy) and cfg.lora.reference == "adapter_off":
+        return Reference.of_adapters_off(policy, **kw)
+    base = policy.get_base_model() if lora.is_peft(policy) else policy
+    return Reference.frozen(base, placement=k.ref_device, **kw)
+
+
+def build_policy(cfg, model=None):
+    """(policy, reference) for a config: the model (loaded from `model.path` unless given), wrapped
+    with LoRA adapters when `lora.enabled` (on a 4-bit base with `lora.load_in_4bit`), and its
+    reference from `reference_for` (a `lora.reference: copy` reference is copied before the
+    adapters are injected)."""
+    m, lc = cfg.model, cfg.lora
+    if model is None:
+        if lc.enabled and lc.load_in_4bit:
+            model = lora.load_4bit_model(m.path, lc, dtype=m.dtype, device=m.device,
+                                         gradient_checkpointing=m.gradient_checkpointing,
+                                         trust_remote_code=m.trust_remote_code)
+        else:
+            model = load_model(m.path, dtype=m.dtype, device=m.device,
+                               gradient_checkpointing=m.gradient_checkpointing, trust_remote_code=m.trust_remote_code)
+    elif lc.load_in_4bit and not getattr(model, "is_loaded_in_4bit", False):
+        raise ModelLoadError("lora.load_in_4bit: the model passed in is not 4-bit; let grpokit load it from model.path")
+    if not lc.enabled:
+        return model, reference_for(cfg, model)
+    if lc.save == "merged" and not cfg.model.path:
+        raise ValueError("lora.save=merged needs model.path")
+    copied = reference_for(cfg, model) if lc.reference == "copy" else None
+    policy = lora.wrap_lora(model, lc)
+    n_train = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    n_all = sum(p.numel() for p in policy.parameters())
+    log.info("LoRA r=%d alpha=%g on %s: %d trainable parameters of %d (%.2f%%)%s", lc.rank, lc.alpha,
+             lora.target_modules_for(model.config.model_type, lc.target_modules), n_train, n_all,
+             100 * n_train / max(n_all, 1), ", 4-bit base" if lc.load_in_4bit else "")
+    return policy, (copied if lc.reference == "copy" else reference_for(cfg, policy))

@@ -1,0 +1,109 @@
+"""The run directory: metrics, config, checkpoints, guard events, sample dumps, and rollback.
+
+RUN_DIR/
+  config.yaml          the config this run trains with (written once the directory is this run's)
+  metrics.jsonl        one row per step (grpokit.monitor.sinks), TensorBoard in tb/ when installed
+  guard.jsonl          the non-finite guard's skips and rollbacks
+  samples/step_N.jsonl prompts, completions, rewards and advantages of a step
+  checkpoints/step_N   atomic checkpoints (grpokit.train.checkpoint); HEALTHY names the last sound one
+  previous/<time>/     an earlier run's output, moved aside by a fresh start (never deleted)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from grpokit.config import dump_config
+from grpokit.monitor.sinks import MetricSink, atomic_write_text, truncate_jsonl
+from grpokit.train import checkpoint as ckpt_lib
+from grpokit.train.batch import Batch
+
+log = logging.getLogger("grpokit.train")
+
+
+class RunDir:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.path = Path(cfg.train.run_dir)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.sink = self._new_sink()
+
+    def _new_sink(self) -> MetricSink:
+        return MetricSink(self.path, tensorboard=self.cfg.train.tensorboard)
+
+    def write_config(self) -> None:
+        """RUN_DIR/config.yaml: the config this run trains with."""
+        atomic_write_text(self.path / "config.yaml", dump_config(self.cfg))
+
+    def start_fresh(self) -> None:
+        """A run that does not resume: an earlier run's output is moved to RUN_DIR/previous/<UTC
+        time>/ (never appended to, never deleted), then this run's config is written."""
+        self.sink.close()                # it may hold RUN_DIR/tb open, which moves too
+        moved = ckpt_lib.set_aside_earlier_run(self.path)
+        self.write_config()
+        self.sink = self._new_sink()
+        if moved is not None:
+            log.warning("%s held the output of an earlier run; moved it to %s", self.path, moved)
+
+    def latest(self) -> Path | None:
+        return ckpt_lib.latest_checkpoint(self.path)
+
+    def resumed(self, step: int) -> None:
+        """After loading a checkpoint of `step`: drop the log rows written after it (the steps
+        will be redone, and logged once) and record the config."""
+        self.sink.truncate_after(step)
+        truncate_jsonl(self.path / "guard.jsonl", step)   # alarms.jsonl: the health monitor's own
+        self.write_config()
+
+    def save(self, step: int, worker, tokenizer, state: dict, *, healthy: bool) -> Path:
+        """Checkpoint of the worker's policy and the run's state; `healthy` marks it as a point to
+        roll back to."""
+        return ckpt_lib.save_checkpoint(self.path, step, worker.model, tokenizer, state,
+                                        keep_last=self.cfg.train.keep_last, healthy=healthy,
+                                        merged=self.cfg.lora.save == "merged")
+
+    def event(self, row: dict) -> None:
+        with (self.path / "guard.jsonl").open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def write_samples(self, step: int, batch: Batch, prompt_text) -> None:
+        """RUN_DIR/samples/step_N.jsonl: one row per completion of the step's batch."""
+        d = self.path / "samples"
+        d.mkdir(exist_ok=True)
+        with (d / f"step_{step:06d}.jsonl").open("w") as f:
+            for i in range(len(batch)):
+                row = batch.rows[i]
+                f.write(json.dumps({
+                    "step": step, "uid": batch.uid[i], "group": int(batch.group_id[i]),
+                    "prompt": prompt_text(row["prompt"]), "completion": batch.completions[i],
+                    "answer": row.get("answer"), "reward": float(batch.rewards[i]),
+                    "rewards": {k: v[i] for k, v in batch.scores.items()},
+                    "advantage": float(batch.advantages[i]), "length": int(batch.lengths[i]),
+                    "finish_reason": batch.finish_reason[i]}) + "\n")
+
+    def close(self) -> None:
+        self.sink.close()
+
+
+def rollback(run: RunDir, worker, kl_ctl, guard, cause: str, step: int) -> None:
+    """Reload the last healthy checkpoint's weights and optimizer into the worker and its KL
+    controller state; lower the learning rate by `guard.rollback_lr_factor`. The data position and
+    RNG move on, so the same batch is not replayed. Raises when there is nothing to roll back to
+    or `guard.max_rollbacks` is spent."""
+    g = run.cfg.guard
+    ck = ckpt_lib.healthy_checkpoint(run.path)
+    if ck is None or guard.rollbacks >= g.max_rollbacks:
+        why = "no healthy checkpoint to roll back to" if ck is None else f"{guard.rollbacks} rollbacks already"
+        raise RuntimeError(f"training diverged ({cause}); {why}. Lower optim.lr or check the rewards.")
+    ckpt_lib.load_weights(worker.model, ck)
+    state = ckpt_lib.load_state(ck)
+    worker.optimizer.load_state_dict(state["optimizer"])
+    kl_ctl.load_state_dict(state["kl_ctl"])
+    worker.scale_lr(g.rollback_lr_factor)
+    guard.rolled_back()
+    log.warning("rolled back to %s after %d bad steps (%s); learning rate x%g", ck.name,
+                g.max_consecutive_bad, cause, g.rollback_lr_factor)
+    run.event({"event": "rollback", "step": step, "to": ck.name, "cause": cause,
+               "lr_factor": g.rollback_lr_factor})

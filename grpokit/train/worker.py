@@ -1,0 +1,295 @@
+"""The training worker: everything that touches the policy's weights, behind a small Protocol.
+
+The driver (grpokit.train.loop) asks a worker for log-probs of a batch, for one training step on
+a batch, for its state, and for its weights to push to a rollout engine. `LocalWorker` is the
+single-process implementation; a data-parallel worker implements the same Protocol and supplies
+global token / sequence counts to the same per-micro-batch loss (`grpokit.algo.loss.grpo_loss`).
+
+One `train_step` (DeepSeekMath, Shao et al. 2024, Algorithm 1, inner loop): μ passes over
+`mini_batches` mini-batches; each mini-batch is cut into length-grouped micro-batches whose losses
+sum exactly to the mini-batch loss (the whole mini-batch's counts are passed in), their gradients
+accumulate, then one clipped AdamW step. Rows with advantage 0 skip the forward pass when they
+cannot move the gradient (no KL term in the loss); they still count in the normaliser, so the
+gradient is unchanged. A mini-batch whose loss or gradient is not finite is skipped alone and its
+cause named (grpokit.train.guard): the others are applied.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Iterator, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from grpokit.algo import loss as loss_lib
+from grpokit.algo.control import decay
+from grpokit.train import forward as lean_forward
+from grpokit.train.batch import Batch
+from grpokit.train.guard import NonFiniteStep, diagnose
+from grpokit.train.lora import is_peft, merged_state_dict
+from grpokit.train.logprobs import (MicroBatch, build_micro_batch, completion_logprobs, padded_logprobs,
+                                    padding_fraction, plan_micro_batches, unwrap)
+from grpokit.train.reference import Reference
+
+
+@runtime_checkable
+class TrainingWorker(Protocol):
+    """What the driver needs of a training backend (local, DDP, FSDP2, ...)."""
+
+    def logprobs(self, batch: Batch, which: str = "policy") -> torch.Tensor:
+        """[B, T] per-token log-probs of the batch's completions under "policy" or "reference"
+        (no gradient; 0 past each row's end)."""
+
+    def train_step(self, batch: Batch, beta: float) -> dict[str, float]:
+        """One training step on a batch with advantages (and old / reference log-probs when the
+        loss needs them). Returns metrics, with `guard/updates_skipped` and `guard/causes`."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full, Hugging Face-named tensors of the current policy (LoRA merged, out of place)."""
+
+
+def lr_lambda(warmup_steps: int, schedule: str, total: int):
+    """Learning-rate factor per optimizer step: linear warm-up, then constant, cosine or linear decay."""
+    def f(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        return decay((step - warmup_steps) / max(1, total - warmup_steps), schedule)
+    return f
+
+
+_NOTHING_SEEN = (0.0, math.inf)   # (largest ratio, smallest log-prob) of a mini-batch, for the guard
+
+
+class LocalWorker:
+    """The policy, its optimizer and schedule, and its reference, in this process."""
+
+    def __init__(self, cfg, model, tokenizer, reference: Reference | None):
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("the model has no trainable parameters")
+        self.cfg, self.model, self.reference = cfg, model, reference
+        self.pad_id = tokenizer.pad_token_id
+        self.device = next(model.parameters()).device
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        total = cfg.train.steps * cfg.algorithm.mu * cfg.algorithm.mini_batches
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(o.warmup_steps, o.schedule, total))
+        self._seen = _NOTHING_SEEN      # what the guard needs to name the cause of a bad gradient
+        self._causes: list[str] = []
+
+    # ------------------------------------------------------------------ log-probs
+    def plan(self, batch: Batch, rows: list[int]) -> list[MicroBatch]:
+        """Micro-batches over `rows`, grouped by length (and prompt, for the lean forward)."""
+        totals = [len(batch.prompt_ids[i]) + int(batch.mask[i].sum()) for i in rows]
+        lean = lean_forward.supports(unwrap(self.model))     # prompts run once per micro-batch
+        plan = plan_micro_batches(totals, self.cfg.optim.micro_batch_size,
+                                  [batch.prompt_ids[i] for i in rows] if lean else None)
+        return [build_micro_batch([rows[j] for j in mb], batch.prompt_ids, batch.completion_ids,
+                                  batch.mask, self.pad_id) for mb in plan]
+
+    def logprobs(self, batch: Batch, which: str = "policy", *, rows: list[int] | None = None,
+                 dropout: bool = True) -> torch.Tensor:
+        rows = list(range(len(batch))) if rows is None else rows
+        if which == "reference":
+            if self.reference is None:
+                raise ValueError("no reference model (algorithm.kl.beta = 0)")
+            return self.reference.logprobs(batch, lambda r: self.plan(batch, r), rows=rows, dropout=dropout)
+        if which != "policy":
+            raise ValueError(f"which must be 'policy' or 'reference', got {which!r}")
+        return padded_logprobs(self.model, self.plan(batch, rows), tuple(batch.mask.shape),
+                               temperature=self.cfg.rollout.temperature, chunk_tokens=self.cfg.optim.logprob_chunk)
+
+    # ------------------------------------------------------------------ the update
+    def updates_per_step(self) -> int:
+        return self.cfg.algorithm.mu * self.cfg.algorithm.mini_batches
+
+    def train_step(self, batch: Batch, beta: float, *, step: int = 0) -> dict[str, float]:
+        """μ passes over mini-batches. Losses are summed over the micro-batches of a mini-batch (they
+        add up to the mini-batch loss) and averaged over mini-batches; per-token statistics are
+        token-weighted. `step` seeds the mini-batch shuffle."""
+        cfg, a = self.cfg, self.cfg.algorithm
+        if batch.advantages is None:
+            raise ValueError("train_step needs a batch with advantages")
+        N = len(batch)
+        kl_in_loss = beta > 0 and not a.kl.in_reward and batch.ref_logp is not None
+        losses: dict[str, list[float]] = {}
+        tok_sums: dict[str, float] = {}
+        n_tok_seen, ratio_max, logp_min, grad_norms, pads = 0, float("nan"), math.inf, [], []
+        self._causes = []
+        rng = np.random.default_rng([cfg.train.seed, step])
+        for epoch in range(a.mu):
+            perm = rng.permutation(N) if a.mini_batches > 1 else np.arange(N)
+            for mini in np.array_split(perm, a.mini_batches):
+                mini = mini.tolist()
+                n_tok = int(batch.loss_mask[mini].sum())
+                # rows that can move the gradient: non-zero advantage, or any row when KL is in the loss
+                live = [i for i in mini if (kl_in_loss or float(batch.advantages[i]) != 0.0)
+                        and bool(batch.loss_mask[i].any())]
+                self.optimizer.zero_grad(set_to_none=True)
+                mbs = self.plan(batch, live) if live else []
+                mini_loss: dict[str, float] = {}
+                try:
+                    micro = [self._micro_step(mb, batch, beta, kl_in_loss, n_tok, len(mini)) for mb in mbs]
+                except NonFiniteStep as exc:   # the guard: nothing of this mini-batch reaches the weights
+                    self.optimizer.zero_grad(set_to_none=True)
+                    self._advance_schedule()
+                    self._causes.append(str(exc))
+                    continue
+                for st, ntok in micro:
+                    for k in ("loss/policy", "loss/kl", "loss/total", "loss/token_mean"):
+                        if k in st:
+                            mini_loss[k] = mini_loss.get(k, 0.0) + st.pop(k)
+                    r = st.pop("policy/ratio_max", float("nan"))
+                    ratio_max = r if math.isnan(ratio_max) else max(ratio_max, r)
+                    logp_min = min(logp_min, st.pop("policy/logprob_min", math.inf))
+                    for k, v in st.items():
+                        tok_sums[k] = tok_sums.get(k, 0.0) + v * ntok
+                    n_tok_seen += ntok
+                if batch.rewrites and epoch == 0 and not losses.get("loss/rewrite"):
+                    mini_loss["loss/rewrite"] = self._rewrite_step(batch.rewrites)
+                for k, v in mini_loss.items():
+                    losses.setdefault(k, []).append(v)
+                grad_norms.append(self._optimizer_step(batch, has_grad=bool(mbs) or "loss/rewrite" in mini_loss))
+                pads.append(padding_fraction(mbs) if mbs else 0.0)
+        out = {k: float(np.mean(v)) for k, v in losses.items()}
+        out.update({k: v / max(n_tok_seen, 1) for k, v in tok_sums.items()})
+        out["policy/ratio_max"] = ratio_max
+        if math.isfinite(logp_min):
+            out["policy/logprob_min"] = logp_min
+        finite_gn = [g for g in grad_norms if not math.isnan(g)]
+        out["optim/grad_norm"] = float(np.mean(finite_gn)) if finite_gn else float("nan")
+        out["update/padding_frac"] = float(np.mean(pads)) if pads else 0.0
+        out["optim/lr"] = self.scheduler.get_last_lr()[0]
+        out["guard/updates_skipped"] = float(len(self._causes))
+        out["guard/causes"] = list(self._causes)
+        return out
+
+    def _diagnose(self, batch: Batch, **found) -> str:
+        """The guard's cause, with the step's rewards and zero-std share (the first two checks)."""
+        return diagnose(rewards=batch.rewards, frac_zero_std=batch.frac_zero_std, **found)
+
+    def _micro_step(self, mb: MicroBatch, batch: Batch, beta: float, kl_in_loss: bool,
+                    n_tok: int, n_seq: int) -> tuple[dict, int]:
+        a = self.cfg.algorithm
+        rows, dev = mb.rows, self.device
+        logp, ent = completion_logprobs(self.model, mb, temperature=self.cfg.rollout.temperature,
+                                        chunk_tokens=self.cfg.optim.logprob_chunk, want_entropy=True)
+        L = logp.shape[1]
+        mask = batch.loss_mask[rows, :L].to(dev).to(logp.dtype)
+        valid = logp.detach()[mask.bool()]
+        adv = batch.advantages[rows].to(dev, logp.dtype)
+        if not torch.isfinite(valid).all():
+            self._seen = _NOTHING_SEEN
+            raise NonFiniteStep(self._diagnose(batch, advantages=adv, logp_finite=False))
+
+        def cut(t):
+            return None if t is None else t[rows, :L].to(dev, logp.dtype)
+        old = cut(batch.old_logp) if batch.old_logp is not None else logp.detach()
+        total, st = loss_lib.grpo_loss(
+            logp, old, adv, mask, ref_logp=cut(batch.ref_logp) if kl_in_loss else None,
+            beta=beta if kl_in_loss else 0.0, kl_kind=a.kl.estimator, agg=a.loss_agg, num_tokens=n_tok,
+            num_seqs=n_seq, max_len=self.cfg.rollout.max_new_tokens, eps_low=a.eps_low, eps_high=a.eps_high,
+            dual_clip=a.dual_clip, ratio_level=a.ratio_level, is_weights=cut(batch.is_weights))
+        ntok = int(mask.sum())
+        lp_min = float(valid.min()) if valid.numel() else math.inf
+        if not torch.isfinite(total.detach()):
+            self._seen = _NOTHING_SEEN
+            raise NonFiniteStep(self._diagnose(batch, advantages=adv, ratio_max=st.get("ratio_max"),
+                                               logp_min=lp_min if valid.numel() else None))
+        self._seen = (max(self._seen[0], st.get("ratio_max", 0.0)), min(self._seen[1], lp_min))
+        total.backward()
+        out = {"loss/policy": st["policy"], "loss/total": float(total.detach()),
+               # the token-level loss signal, whatever the aggregation: Σ surrogate / mini-batch tokens
+               "loss/token_mean": st["policy"] if a.loss_agg == "token_mean" else st["token_sum"] / max(n_tok, 1),
+               "policy/entropy": float(torch.where(mask.bool(), ent, 0.0).sum()) / max(ntok, 1),
+               "policy/logprob_min": lp_min}
+        if "kl" in st:
+            out["loss/kl"] = st["kl"]
+            out["kl/ref"] = st["kl_sum"] / max(ntok, 1)
+        for k in ("clip_frac_low", "clip_frac_high", "approx_kl", "ratio_max"):
+            out[f"policy/{'approx_kl_old' if k == 'approx_kl' else k}"] = float(st[k])
+        return out, ntok
+
+    def _rewrite_step(self, rewrites) -> float:
+        """Wrong-answer rewriting's auxiliary term (grpokit.data.rewrite), added to the first
+        optimizer step of the update: weight * token-mean NLL of the notes."""
+        contexts, targets = rewrites
+        if not contexts:
+            return 0.0
+        L = max(len(t) for t in targets)
+        ids = torch.full((len(targets), L), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(targets), L), dtype=torch.long)
+        for i, t in enumerate(targets):
+            ids[i, :len(t)], mask[i, :len(t)] = torch.tensor(t), 1
+        n_tok, total = int(mask.sum()), 0.0
+        for chunk in plan_micro_batches([len(c) + len(t) for c, t in zip(contexts, targets)], self.cfg.optim.micro_batch_size):
+            mb = build_micro_batch(chunk, contexts, ids, mask, self.pad_id)
+            logp, _ = completion_logprobs(self.model, mb, chunk_tokens=self.cfg.optim.logprob_chunk)
+            loss = -self.cfg.algorithm.rewrite.weight * torch.where(mb.mask.to(logp.device).bool(), logp, 0.0).sum() / n_tok
+            if torch.isfinite(loss):
+                loss.backward()
+                total += float(loss.detach())
+        return total
+
+    def _advance_schedule(self) -> None:
+        """A skipped update still advances the learning-rate schedule (it counts training steps),
+        so torch's 'scheduler before optimizer' warning does not apply."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
+            self.scheduler.step()
+
+    def skip_step(self) -> None:
+        """A step with no update at all (its rollout failed): the schedule still advances."""
+        for _ in range(self.updates_per_step()):
+            self._advance_schedule()
+
+    def _optimizer_step(self, batch: Batch, has_grad: bool) -> float:
+        """Clip and apply the accumulated gradient; NaN (and nothing applied) when it is not finite."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if not has_grad:
+            self._advance_schedule()
+            return 0.0
+        gn = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.max_grad_norm)
+        ratio_max, logp_min = self._seen
+        self._seen = _NOTHING_SEEN
+        if not torch.isfinite(gn):
+            # this update never reaches the weights; the cause is named in the diagnosis order (a
+            # ratio overflow or extreme log-probs before the gradient itself)
+            self.optimizer.zero_grad(set_to_none=True)
+            self._advance_schedule()
+            self._causes.append(self._diagnose(batch, ratio_max=ratio_max, logp_min=logp_min, grad_finite=False))
+            return float("nan")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)   # gradients are not held through the next rollout
+        self.scheduler.step()
+        return float(gn)
+
+    # ------------------------------------------------------------------ state and weights
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def scale_lr(self, factor: float) -> None:
+        """Multiply the learning rate (base and current) by `factor` (after a rollback)."""
+        self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+
+    @torch.no_grad()
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if is_peft(self.model):
+            yield from merged_state_dict(self.model).items()   # out of place: the adapters stay
+            return
+        for name, t in self.model.state_dict().items():
+            yield name, t.detach()
