@@ -68,7 +68,7 @@ def main() -> None:
         m = trainer.step()
         wall, cpu = time.perf_counter() - t, time.process_time() - c
         trainer.step_idx += 1
-        batch = trainer._last[1]
+        batch = trainer.last_batch
         return {
             "step_s": wall, "cpu_s": cpu,
             "generation_s": m["time/rollout"],

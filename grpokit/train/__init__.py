@@ -41,7 +41,7 @@ def kl_target_high(cfg) -> float | None:
     Ziegler's, also when a warm-up or schedule wraps one; None for the others (fixed, or a wrapper
     around fixed), which aim at no KL value, and when beta = 0 (no reference)."""
     from grpokit.algo.control import AdaptiveKL, ZieglerKL
-    from grpokit.train.loop import build_kl_controller
+    from grpokit.train.build import build_kl_controller
 
     ctl = build_kl_controller(cfg)
     while hasattr(ctl, "inner"):                 # warmup / schedule scale an inner controller's beta

@@ -162,3 +162,14 @@ def check(batch: Batch) -> None:
                 raise ValueError(f"batch.{f.name} has {len(v)} rows, the batch {B}")
         elif f.name in _PER_TOKEN_TENSORS and v is not None and tuple(v.shape) != tuple(batch.mask.shape):
             raise ValueError(f"batch.{f.name} has shape {tuple(v.shape)}, the mask {tuple(batch.mask.shape)}")
+
+
+def merged_reward_metrics(parts: list[Batch]) -> dict[str, float]:
+    """The reward functions' metrics over the batches of a step's sampling rounds: error counts add
+    up, the rest are averaged (NaN ignored; NaN when every part is NaN)."""
+    out: dict[str, float] = {}
+    for k in parts[0].reward_metrics:
+        vals = [p.reward_metrics.get(k, float("nan")) for p in parts]
+        finite = [v for v in vals if v == v]
+        out[k] = float(sum(finite)) if k.endswith("/errors") else (sum(finite) / len(finite) if finite else float("nan"))
+    return out

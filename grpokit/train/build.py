@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from grpokit.algo.control import build_controller
 from grpokit.train import lora, model as model_lib
 from grpokit.train.model import ModelLoadError, _check_dir
 from grpokit.train.reference import Reference
@@ -80,3 +81,21 @@ def build_policy(cfg, model=None):
              lora.target_modules_for(model.config.model_type, lc.target_modules), n_train, n_all,
              100 * n_train / max(n_all, 1), ", 4-bit base" if lc.load_in_4bit else "")
     return policy, (copied if lc.reference == "copy" else reference_for(cfg, policy))
+
+
+def build_kl_controller(cfg):
+    """The KL coefficient's controller from `algorithm.kl` (grpokit.algo.control): fixed at 0 when
+    beta = 0; the adaptive controller's band and step factor from the config unless its
+    `controller_args` say otherwise; warm-up and schedule wrap a fixed beta unless given `inner`."""
+    k = cfg.algorithm.kl
+    if k.beta == 0:
+        return build_controller("fixed", beta=0.0)
+    args = dict(k.controller_args)
+    if k.controller == "adaptive":
+        args = {"low": k.target_low, "high": k.target_high, "factor": k.adapt_factor, **args}
+    if k.controller in ("warmup", "schedule"):
+        args.setdefault("inner", {"kind": "fixed", "beta": k.beta})
+        if k.controller == "schedule":
+            args.setdefault("total_steps", cfg.train.steps)
+        return build_controller(k.controller, **args)
+    return build_controller(k.controller, beta=k.beta, **args)

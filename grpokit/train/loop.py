@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import random
 import time
 
@@ -29,7 +28,6 @@ import torch
 from grpokit.algo import advantages as adv_lib
 from grpokit.algo import kl as kl_lib
 from grpokit.algo import loss as loss_lib
-from grpokit.algo.control import build_controller
 from grpokit.config import Config
 from grpokit.data.curriculum import Curriculum
 from grpokit.data.datasets import PromptSampler
@@ -37,41 +35,17 @@ from grpokit.rollout.base import NonFiniteLogits, RolloutBatch, SamplingParams
 from grpokit.rollout.registry import build_engine
 from grpokit.train import batch as batch_lib
 from grpokit.train.batch import Batch
-from grpokit.train.build import reference_for
+from grpokit.train.build import build_kl_controller, reference_for
 from grpokit.train.checkpoint import load_state, load_weights
 from grpokit.train.evaluate import held_out
-from grpokit.train.guard import Guard, ReferenceDriftError
+from grpokit.train.guard import Guard
 from grpokit.train.prompts import PromptEncoder
-from grpokit.train.rundir import RunDir, rollback
+from grpokit.train.reference import ReferenceProbe
+from grpokit.train.rundir import RunDir, rollback, rss_mb
 from grpokit.train.transforms import DynamicSampling, StepContext, build_transforms, passed, rewards_tensor
 from grpokit.train.worker import LocalWorker
 
 log = logging.getLogger("grpokit.train")
-
-
-def build_kl_controller(cfg: Config):
-    k = cfg.algorithm.kl
-    if k.beta == 0:
-        return build_controller("fixed", beta=0.0)
-    args = dict(k.controller_args)
-    if k.controller == "adaptive":
-        args = {"low": k.target_low, "high": k.target_high, "factor": k.adapt_factor, **args}
-    if k.controller in ("warmup", "schedule"):
-        args.setdefault("inner", {"kind": "fixed", "beta": k.beta})
-        if k.controller == "schedule":
-            args.setdefault("total_steps", cfg.train.steps)
-        return build_controller(k.controller, **args)
-    return build_controller(k.controller, beta=k.beta, **args)
-
-
-def rss_mb() -> float:
-    """Resident memory of this process in MiB (Linux /proc; peak RSS elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError):
-        import resource
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 class Trainer:
@@ -103,7 +77,7 @@ class Trainer:
         self.dynamic = DynamicSampling() if cfg.rollout.dynamic_sampling else None
         self.transforms = build_transforms(cfg, tokenizer=tokenizer, curriculum=self.curriculum)
         self.step_idx = 0
-        self.ref_probe: tuple[Batch, torch.Tensor] | None = None
+        self.ref_probe = ReferenceProbe(cfg.guard) if self.reference is not None and cfg.guard.ref_check_every else None
         self.last_batch: Batch | None = None          # the last step's batch (sample dumps)
 
     model = property(lambda self: self.worker.model)
@@ -144,7 +118,7 @@ class Trainer:
         upd = self.worker.train_step(batch, beta, step=self.step_idx)  # 6
         m["time/update"] = time.perf_counter() - t
         self.sync_weights()                                             # 7
-        drift = self.check_reference(batch)
+        drift = self.ref_probe.check(self.worker, batch, self.step_idx) if self.ref_probe is not None else None
         self._after_update(upd.pop("guard/causes"), int(upd.pop("guard/updates_skipped")))
         if kl_in_reward is not None:                 # no KL term in the loss: kl/ref is the reward's k1
             upd["kl/ref"] = kl_in_reward
@@ -213,7 +187,7 @@ class Trainer:
         metrics = {"time/rollout": t_roll, "time/reward": t_rew, "dynamic/rounds": float(r + 1),
                    "dynamic/kept_groups": float(n_kept if self.dynamic is not None else P)}
         batch = batch_lib.concat(kept or [fresh], self.tokenizer.pad_token_id)
-        metrics.update(_reward_metrics(kept or [fresh]))
+        metrics.update(batch_lib.merged_reward_metrics(kept or [fresh]))
         return batch, metrics
 
     def old_logprobs(self, batch: Batch) -> dict[str, float]:
@@ -283,39 +257,14 @@ class Trainer:
         return {"kl/beta": self.kl_ctl.beta, "optim/lr": self.worker.scheduler.get_last_lr()[0],
                 **self.guard.metrics(), "time/step": time.perf_counter() - t_step, "memory/rss_mb": rss_mb()}
 
-    def check_reference(self, batch: Batch) -> float | None:
-        """Reference integrity. The first call records the reference's log-probs on a fixed probe
-        (the first rows of this batch); every `guard.ref_check_every` steps they are recomputed.
-        Returns the largest absolute change in nats (NaN when they stopped being finite), or None
-        when nothing was checked. A change beyond `guard.ref_tolerance` is logged (the `ref_drift`
-        alarm reads `ref/integrity_drift`) or, with `guard.ref_strict`, raised."""
-        g = self.cfg.guard
-        if self.reference is None or not g.ref_check_every:
-            return None
-        if self.ref_probe is None:
-            probe = batch_lib.select(batch, list(range(min(8, len(batch)))))
-            self.ref_probe = (probe, self.worker.logprobs(probe, "reference", dropout=False).float())
-            return 0.0
-        if (self.step_idx + 1) % g.ref_check_every:
-            return None
-        probe, base = self.ref_probe
-        now = self.worker.logprobs(probe, "reference", dropout=False).float()
-        diffs = (now - base).abs()[probe.mask.bool()]
-        drift = float(diffs.max()) if diffs.numel() else 0.0                   # max propagates NaN
-        if not drift <= g.ref_tolerance:
-            msg = f"reference log-probs drifted by {drift:.3g} nats on the probe batch (tolerance {g.ref_tolerance:g})"
-            if g.ref_strict:
-                raise ReferenceDriftError(msg + ": the reference model changed (guard.ref_strict)")
-            log.warning(msg)
-        return drift
-
     # ------------------------------------------------------------------ the run
     def state_dict(self) -> dict:
         return {
             "step": self.step_idx, **self.worker.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
             "sampler": self.sampler.state_dict(), "gen": self.gen.get_state(),
             "torch_rng": torch.get_rng_state(), "np_rng": np.random.get_state(), "py_rng": random.getstate(),
-            **self.guard.state_dict(), "ref_probe": self.ref_probe,
+            **self.guard.state_dict(),
+            "ref_probe": self.ref_probe.state_dict() if self.ref_probe is not None else None,
             "curriculum": self.curriculum.state_dict() if self.curriculum is not None else None,
             "health": self.health.state_dict() if self.health is not None else None,
         }
@@ -330,7 +279,8 @@ class Trainer:
         np.random.set_state(s["np_rng"])
         random.setstate(s["py_rng"])
         self.guard.load_state_dict(s)
-        self.ref_probe = s.get("ref_probe")
+        if self.ref_probe is not None:
+            self.ref_probe.load_state_dict(s.get("ref_probe"))
         if self.curriculum is not None and s.get("curriculum"):
             self.curriculum.load_state_dict(s["curriculum"])
         if self.health is not None and s.get("health") is not None:
@@ -413,16 +363,3 @@ class Trainer:
             log.info("health: %s", self.health.summary())
         return last
 
-
-def _reward_metrics(parts: list[Batch]) -> dict[str, float]:
-    """The reward functions' metrics over the batches of a step's rounds: error counts add up, the
-    rest are averaged (NaN ignored)."""
-    out: dict[str, float] = {}
-    for k in parts[0].reward_metrics:
-        vals = np.asarray([p.reward_metrics.get(k, float("nan")) for p in parts], dtype=float)
-        if k.endswith("/errors"):
-            out[k] = float(np.nansum(vals))
-        else:
-            vals = vals[~np.isnan(vals)]
-            out[k] = float(vals.mean()) if vals.size else float("nan")
-    return out

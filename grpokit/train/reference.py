@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 from collections import OrderedDict
 from typing import Callable, Hashable
 
 import torch
 
+from grpokit.train.batch import select
 from grpokit.train.dropout import hidden_dropout
+from grpokit.train.guard import ReferenceDriftError
 from grpokit.train.logprobs import MicroBatch, padded_logprobs
 
 
@@ -100,6 +103,8 @@ class RefLogprobCache:
                 "ref/cache_entries": float(len(self.store))}
 
 
+log = logging.getLogger("grpokit.train")
+
 Planner = Callable[[list[int]], list[MicroBatch]]   # rows of a batch -> micro-batches over them
 
 
@@ -173,3 +178,40 @@ class Reference:
 
     def metrics(self) -> dict[str, float]:
         return self.cache.metrics() if self.cache is not None else {}
+
+
+class ReferenceProbe:
+    """Reference integrity: the reference's log-probs on a fixed probe batch (the first rows of the
+    first batch seen) are recorded once and recomputed every `guard.ref_check_every` steps. A
+    change beyond `guard.ref_tolerance` is logged (the `ref_drift` alarm reads
+    `ref/integrity_drift`) or, with `guard.ref_strict`, raised."""
+
+    def __init__(self, guard_cfg, rows: int = 8):
+        self.cfg, self.rows = guard_cfg, rows
+        self.probe = None                    # (Batch, [b, T] log-probs)
+
+    def check(self, worker, batch, step: int) -> float | None:
+        """The largest absolute change in nats (NaN when they stopped being finite), 0.0 when the
+        probe was just recorded, None when nothing was checked this step (`step`: steps done)."""
+        if self.probe is None:
+            probe = select(batch, list(range(min(self.rows, len(batch)))))
+            self.probe = (probe, worker.logprobs(probe, "reference", dropout=False).float())
+            return 0.0
+        if (step + 1) % self.cfg.ref_check_every:
+            return None
+        probe, base = self.probe
+        now = worker.logprobs(probe, "reference", dropout=False).float()
+        diffs = (now - base).abs()[probe.mask.bool()]
+        drift = float(diffs.max()) if diffs.numel() else 0.0                   # max propagates NaN
+        if not drift <= self.cfg.ref_tolerance:
+            msg = f"reference log-probs drifted by {drift:.3g} nats on the probe batch (tolerance {self.cfg.ref_tolerance:g})"
+            if self.cfg.ref_strict:
+                raise ReferenceDriftError(msg + ": the reference model changed (guard.ref_strict)")
+            log.warning(msg)
+        return drift
+
+    def state_dict(self):
+        return self.probe
+
+    def load_state_dict(self, probe) -> None:
+        self.probe = probe

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 from grpokit.config import dump_config
@@ -107,3 +108,13 @@ def rollback(run: RunDir, worker, kl_ctl, guard, cause: str, step: int) -> None:
                 g.max_consecutive_bad, cause, g.rollback_lr_factor)
     run.event({"event": "rollback", "step": step, "to": ck.name, "cause": cause,
                "lr_factor": g.rollback_lr_factor})
+
+
+def rss_mb() -> float:
+    """Resident memory of this process in MiB (Linux /proc; peak RSS elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError):
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -169,7 +169,7 @@ def test_trainer_builds_the_adaptive_controller_from_config():
     """`algorithm.kl.adapt_factor` (default 1.05) and the band reach the trainer's controller;
     `controller_args` still override them."""
     from grpokit.config import load_config
-    from grpokit.train.loop import build_kl_controller
+    from grpokit.train.build import build_kl_controller
 
     c = build_kl_controller(load_config(["grpo"], []))
     assert c.beta == pytest.approx(0.02)
