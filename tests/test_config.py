@@ -70,3 +70,36 @@ def test_cli_missing_model_dir(tmp_path):
                            f"data.path={data}"], capture_output=True, text=True)
     assert proc.returncode == 2
     assert "model directory not found" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("paths, overrides", [
+    (["dapo_wide_clip"], []),
+    (["dapo"], ["algorithm.eps_high=2.0"]),
+], ids=["preset", "override"])
+def test_the_wide_upper_clip_loads_over_dapo(paths, overrides):
+    """Clip-higher as the practitioner's rules set it (upper clip range 2.0, lower kept at 0.2),
+    as a preset and as the documented one-line override; the rest is DAPO's."""
+    from grpokit.algo.loss import clipped_surrogate
+
+    cfg = load_config(paths, overrides)
+    a = cfg.algorithm
+    assert (a.eps_low, a.eps_high) == (0.2, 2.0)
+    assert a.loss_agg == "token_mean" and a.mask_truncated and a.kl.beta == 0.0 and cfg.rollout.dynamic_sampling
+    assert load_config("dapo").algorithm.eps_high == 0.28              # dapo itself keeps the paper's value
+    # a ratio of 2.5 on a good response: clipped at 1.28 by dapo, kept whole under the wide clip;
+    # a bad response's ratio of 0.5 is clipped at 0.8 in both
+    import torch
+    ratio, adv = torch.tensor([2.5, 0.5]), torch.tensor([1.0, -1.0])
+    wide = clipped_surrogate(ratio, adv, a.eps_low, a.eps_high, None)
+    paper = clipped_surrogate(ratio, adv, 0.2, 0.28, None)
+    assert wide.tolist() == pytest.approx([-2.5, 0.8]) and paper.tolist() == pytest.approx([-1.28, 0.8])
+
+
+def test_the_code_preset_and_its_stacking_with_dapo():
+    cfg = load_config("code")
+    assert (cfg.rollout.group_size, cfg.rollout.batch_size) == (32, 256) and cfg.prompts_per_step == 8
+    assert [(r.name, r.weight) for r in cfg.rewards] == [("code_tests", 1.0)]
+    assert cfg.algorithm.loss_agg == "seq_mean_token_mean"             # the rest is grpo's
+    both = load_config(["code", "dapo_wide_clip"])                      # later files win
+    assert (both.rollout.group_size, both.rewards[0].name) == (32, "code_tests")
+    assert both.algorithm.eps_high == 2.0 and both.rollout.dynamic_sampling and both.algorithm.kl.beta == 0.0

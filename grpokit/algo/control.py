@@ -4,8 +4,9 @@ A controller holds the β for the *current* update. After the update the trainer
 ``beta_next = ctrl.step(observed_kl)`` with the KL it measured (any consistent estimate, e.g. the
 mean per-token k3 to the reference); the return value is the β to use for the next update.
 ``state_dict()`` / ``load_state_dict()`` make it resumable. ``build_controller(kind, **kwargs)``
-builds one by name: fixed, adaptive, ziegler, warmup, schedule. ``warmup`` and ``schedule``
-multiply the β of an ``inner`` controller (default: fixed), so they compose, e.g.
+builds one by name: fixed, adaptive, ziegler, warmup, schedule. ``warmup`` (cosine, linear or
+step-shaped) and ``schedule`` multiply the β of an ``inner`` controller (default: fixed), so they
+compose, e.g.
 ``build_controller("warmup", inner={"kind": "adaptive", ...}, steps=50)``; the inner controller is
 stepped on every call and still sees the observed KL. A non-finite observed KL raises ValueError:
 the caller should skip the step instead.
@@ -155,7 +156,7 @@ class AdaptiveKL:
 
 
 class ZieglerKL:
-    """Proportional controller of Ziegler et al. 2019 (arXiv 1909.08593 §2.2; FORMULAS §8):
+    """Proportional controller of Ziegler et al. 2019 (arXiv 1909.08593 §2.2):
 
         e = clip(KL/target − 1, −0.2, 0.2);   β ← β·(1 + K·e)
 
@@ -260,8 +261,18 @@ def _check_shape(shape: str, allowed: tuple[str, ...]) -> str:
 
 
 class WarmupKL(_Scaled):
-    """High β early: scale = 1 + (start_scale − 1)·w(t/steps), w decaying 1 → 0 linearly or by
-    half a cosine; scale = 1 from t = steps on. At t = 0 β = start_scale·β_inner."""
+    """High β early, then the inner controller's β.
+
+    ``cosine`` / ``linear``: scale = 1 + (start_scale − 1)·w(t/steps), w decaying 1 → 0 by half a
+    cosine or linearly; scale = 1 from t = steps on. ``step``: scale = start_scale while
+    t < steps, then 1: a larger β held for the first ``steps`` updates, then dropped at once.
+    At t = 0, β = start_scale·β_inner in every shape.
+
+    The default start_scale, 4, turns the config's default β of 0.02 into 0.08 during the warm-up:
+    inside the 0.05–0.1 of the warm-up rule in docs/algorithms.md §5 (0.05–0.1 for ~1000 updates,
+    then 0.02). The inner controller is stepped during the warm-up too, so an adaptive inner keeps
+    adapting there; to drop back to exactly the starting β, warm up over a fixed one.
+    """
 
     kind = "warmup"
 
@@ -271,17 +282,19 @@ class WarmupKL(_Scaled):
         *,
         beta: float | None = None,
         steps: int,
-        start_scale: float = 10.0,
+        start_scale: float = 4.0,
         shape: str = "cosine",
     ):
         super().__init__(inner, beta)
         steps, start_scale = _finite("steps", steps, 1), _finite("start_scale", start_scale, 1)
-        if not steps >= 1 or not start_scale >= 1:
-            raise ValueError(f"need steps >= 1 and start_scale >= 1, got {steps}, {start_scale}")
+        if steps != int(steps):
+            raise ValueError(f"steps must be a whole number of updates, got {steps!r}")
         self.steps, self.start_scale = int(steps), float(start_scale)
-        self.shape = _check_shape(shape, ("linear", "cosine"))
+        self.shape = _check_shape(shape, ("linear", "cosine", "step"))
 
     def scale(self, t: int) -> float:
+        if self.shape == "step":
+            return self.start_scale if t < self.steps else 1.0
         return 1.0 + (self.start_scale - 1.0) * decay(t / self.steps, self.shape)
 
 

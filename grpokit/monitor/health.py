@@ -507,8 +507,11 @@ def entropy_collapse(history: History, p: EntropyCollapseConfig) -> Alarm | None
         return None
     return Alarm(
         "entropy_collapse", _step(history), p.action, msg,
-        "The policy has stopped exploring: raise the upper clip bound (DAPO clip-higher), raise "
-        "the sampling temperature, lower the learning rate, or add a small entropy bonus.",
+        "The policy has stopped exploring: raise the group size G first (rollout.group_size: more "
+        "samples per prompt), then the upper clip bound (DAPO clip-higher, algorithm.eps_high); or "
+        "lower the learning rate, or add a small entropy bonus. Do not raise the sampling "
+        "temperature blindly: for more exploration raise G, not the temperature (the loss's "
+        "log-probs use the same temperature, so a hotter sampler also changes what is trained).",
         current,
     )
 

@@ -1,5 +1,6 @@
-"""Tests for grpokit.algo.control: Ziegler worked examples (FORMULAS §8.2), band controller,
-warm-up and late-training schedules, composition, state round-trips, bad input."""
+"""Tests for grpokit.algo.control: Ziegler worked examples (Ziegler et al. 2019 §2.2), band
+controller, warm-up (cosine, linear, step) and late-training schedules, composition, state
+round-trips, bad input."""
 
 import math
 
@@ -22,7 +23,7 @@ def test_fixed():
     assert c.beta == 0.04 and c.step(123.0) == 0.04 and c.beta == 0.04
 
 
-# FORMULAS §8.2: β = 0.1, target = 6.
+# Ziegler's rule, β = 0.1, target = 6 (docs/algorithms.md §5):
 #   KL 12: e = clip(12/6 − 1) = 0.2. Code K = 512/10000: 0.1·(1 + 0.0512·0.2) = 0.101024;
 #          paper K = 0.1: 0.1·1.02 = 0.102.
 #   KL 5:  e = −1/6. Code: 0.1·(1 − 0.0512/6) = 0.0991467; paper: 0.1·(1 − 0.1/6) = 0.0983333.
@@ -77,6 +78,73 @@ def test_warmup_linear_and_cosine():
     assert c.step(0.0) == pytest.approx(0.03)
 
 
+def test_warmup_step_holds_then_drops_to_the_inner_beta():
+    # base 0.02, start_scale 4, 3 steps: β is 0.08 for the updates at t = 0, 1, 2 and 0.02 from t = 3
+    c = build_controller("warmup", beta=0.02, steps=3, start_scale=4.0, shape="step")
+    assert c.beta == pytest.approx(0.08)                                    # t = 0
+    assert [c.step(0.5) for _ in range(5)] == pytest.approx([0.08, 0.08, 0.02, 0.02, 0.02])   # t = 1..5
+    # start_scale 2.5 with steps 1: only the first update is warmed (0.05), the second is at 0.02
+    c = WarmupKL(FixedKL(0.02), steps=1, start_scale=2.5, shape="step")
+    assert (c.beta, c.step(0.0)) == pytest.approx((0.05, 0.02))
+
+
+def test_warmup_step_over_an_adaptive_inner_drops_to_where_the_inner_is():
+    # inner adaptive, factor 2, band [0, 1]: KL 5 doubles β_inner every step: 0.01 -> 0.02 -> 0.04
+    c = build_controller("warmup", inner={"kind": "adaptive", "beta": 0.01, "low": 0.0, "high": 1.0, "factor": 2.0},
+                         steps=2, start_scale=3.0, shape="step")
+    assert c.beta == pytest.approx(0.03)
+    assert c.step(5.0) == pytest.approx(0.02 * 3)      # t = 1 < 2: still scaled
+    assert c.step(5.0) == pytest.approx(0.04)          # t = 2: the inner controller's own β
+
+
+def test_default_warmup_starts_the_config_default_beta_inside_the_rules_range():
+    """The warm-up rule: β 0.05-0.1 for the first ~1000 steps, then 0.02. With the config's
+    default β the default start_scale starts inside that range, in every shape."""
+    from grpokit.config import load_config
+
+    base = load_config().algorithm.kl.beta
+    assert base == 0.02
+    for shape in ("step", "cosine", "linear"):
+        c = build_controller("warmup", beta=base, steps=1000, shape=shape)
+        assert 0.05 <= c.beta <= 0.1 and c.beta == pytest.approx(0.08)
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    ["algorithm.kl.controller=warmup", "algorithm.kl.controller_args={shape: step, steps: 1000, start_scale: 4}"],
+], ids=["kl_warmup-preset", "grpo-one-liner"])
+def test_the_warmup_rule_from_the_preset_and_from_overrides(overrides):
+    """`kl_warmup` (and the documented overrides over `grpo`) give the trainer β 0.08 for steps
+    0..999 and 0.02 from step 1000 on, whatever KL it observes."""
+    from grpokit.config import load_config
+    from grpokit.train.loop import build_kl_controller
+
+    c = build_kl_controller(load_config(["grpo"] if overrides else ["kl_warmup"], overrides))
+    betas = [c.beta] + [c.step(kl) for kl in [0.5, 0.0001, 3.0] * 334]   # β of steps 0..1002
+    assert betas[:1000] == pytest.approx([0.08] * 1000)
+    assert betas[1000:] == pytest.approx([0.02] * 3)
+
+
+def test_warmup_step_resumes_mid_warmup_and_after_the_drop():
+    import json
+
+    a = build_controller("warmup", beta=0.02, steps=10, shape="step")
+    for _ in range(6):
+        a.step(0.1)
+    state = json.loads(json.dumps(a.state_dict()))
+    assert state == {"kind": "warmup", "t": 6, "inner": {"kind": "fixed", "beta": 0.02}}
+    b = build_controller("warmup", beta=0.02, steps=10, shape="step")
+    b.load_state_dict(state)
+    assert b.beta == pytest.approx(0.08)                                   # t = 6: still warming up
+    assert [b.step(0.1) for _ in range(5)] == pytest.approx([0.08] * 3 + [0.02] * 2)   # t = 7..11
+    c = build_controller("warmup", beta=0.02, steps=10, shape="step")
+    c.load_state_dict(b.state_dict())
+    assert c.beta == pytest.approx(0.02) and c.t == 11                     # resumed after the drop
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        c.load_state_dict({"kind": "warmup", "t": -1, "inner": {"kind": "fixed", "beta": 0.02}})
+    assert c.t == 11
+
+
 def test_schedule_linear_step_cosine():
     # total 10, start_frac 0.6, final_scale 0.2: scale 1 for t < 6, then linear to 0.2 at t = 10:
     # t = 6: 1, 7: 0.8, 8: 0.6, 9: 0.4, 10: 0.2, 11: 0.2
@@ -116,6 +184,7 @@ def test_composition_warmup_over_adaptive_and_schedule_over_warmup():
         ("adaptive", dict(beta=0.1, low=0.01, high=0.02)),
         ("ziegler", dict(beta=0.1, target=6.0)),
         ("warmup", dict(inner={"kind": "ziegler", "beta": 0.1, "target": 6.0}, steps=5)),
+        ("warmup", dict(inner={"kind": "adaptive", "beta": 0.1, "low": 0.01, "high": 0.02}, steps=2, shape="step")),
         ("schedule", dict(beta=0.1, total_steps=6, start_frac=0.5)),
     ],
 )
@@ -157,6 +226,15 @@ def test_nonfinite_kl_raises(kind):
         ("ziegler", dict(beta=0.1, target=1.0, n_steps=5, k_beta=0.1), "not both"),
         ("warmup", dict(steps=3), "needs beta or inner"),
         ("warmup", dict(beta=0.1, steps=3, shape="exp"), "shape"),
+        ("warmup", dict(beta=0.1, steps=3, shape="steps"), "shape must be one of .*'step'"),
+        ("warmup", dict(beta=0.1, steps=0, shape="step"), "steps must be finite and >= 1"),
+        ("warmup", dict(beta=0.1, steps=2.5, shape="step"), "whole number"),
+        ("warmup", dict(beta=0.1, steps=None, shape="step"), "steps must be a number"),
+        ("warmup", dict(beta=0.1, shape="step"), "missing 1 required keyword-only argument: 'steps'"),
+        ("warmup", dict(beta=0.1, steps=3, shape="step", start_scale=0.5), "start_scale must be finite and >= 1"),
+        ("warmup", dict(beta=0.1, steps=3, shape="step", start_scale="high"), "start_scale must be a number"),
+        ("warmup", dict(beta=0.1, steps=3, shape="step", hold=3), "unexpected keyword"),
+        ("warmup", dict(beta=0.1, inner={"kind": "fixed", "beta": 0.1}, steps=3, shape="step"), "not both"),
         ("schedule", dict(beta=0.1, total_steps=3, start_frac=1.5), "start_frac"),
     ],
 )
@@ -221,7 +299,7 @@ def test_ziegler_step_is_bounded_by_its_clipped_error(kls, beta, k, target):
 
 
 @settings(max_examples=60, deadline=None)
-@given(kls=_kls, steps=st.integers(1, 30), start=st.floats(1.0, 50.0), shape=st.sampled_from(["linear", "cosine"]))
+@given(kls=_kls, steps=st.integers(1, 30), start=st.floats(1.0, 50.0), shape=st.sampled_from(["linear", "cosine", "step"]))
 def test_warmup_scale_decays_from_start_to_one(kls, steps, start, shape):
     c = WarmupKL(beta=0.02, steps=steps, start_scale=start, shape=shape)
     prev = c.beta

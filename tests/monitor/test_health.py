@@ -268,6 +268,18 @@ def test_entropy_collapse_fires_below_floor():
     assert alarm is not None and "floor" in alarm.message
 
 
+def test_entropy_collapse_advice_raises_the_group_size_first_and_warns_off_the_temperature():
+    """For more exploration raise G, not the temperature (docs/metrics.md): the advice names the
+    group size before anything else and mentions the temperature only to warn against it."""
+    alarm = H.entropy_collapse(series("policy/entropy", [0.005] * 5), EntropyCollapseConfig())
+    advice = alarm.advice.lower()
+    first = advice.index("group size g first")
+    assert all(first < advice.index(later) for later in ("clip", "learning rate", "entropy bonus", "temperature"))
+    assert "do not raise the sampling temperature blindly" in advice
+    assert advice.count("raise the sampling temperature") == 1        # only in that warning
+    assert "rollout.group_size" in advice
+
+
 @pytest.mark.parametrize("values", [
     [1.0] * 10 + [0.2] * 5,  # fell to 20% of early: a decrease, not a collapse
     [0.005] * 4,  # too few values for the floor test

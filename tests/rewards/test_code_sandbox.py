@@ -19,6 +19,7 @@ import pytest
 
 from grpokit.rewards import REGISTRY, extract_code, run_tests, run_tests_batch
 from grpokit.rewards import _sandbox
+from tests.rewards.clocks import thread_cpu, under_load
 
 
 def _sandbox_leftovers(marker: str | None = None, owner: int | None = None) -> list[str]:
@@ -293,9 +294,9 @@ def test_plans_are_cached_immutable_and_quick_to_build():
     assert redo == [["run", 0, "assert add(1, 2) == 3"]] and plan.steps == (("eval", 0, ("add(1, 2)",)),)
     for depth in (18, 60):  # the "depends on the program" flag was recomputed at every level: 2**depth
         nested = "assert " + "abs(" * depth + "f(1)" + ")" * depth + f" == {depth}\n"
-        t0 = time.monotonic()
+        cpu0 = thread_cpu()
         plan = plan_tests(nested)
-        assert time.monotonic() - t0 < 0.5 and plan.untrusted == 0
+        assert thread_cpu() - cpu0 < 0.5 and plan.untrusted == 0
 
 
 @pytest.mark.parametrize("tests", [
@@ -368,7 +369,7 @@ def test_batch_runs_in_parallel_and_a_hung_program_does_not_block():
     res = run_tests_batch(progs, tests, timeout_s=1.0)
     took = time.monotonic() - t0
     assert [r.status for r in res] == ["timeout"] * 2 + ["ok"] * 6
-    assert took < 8.0, took  # the two hung ones overlap (about 1.5 s); a blocked batch never ends
+    assert took < under_load(8.0), took  # the two hung ones overlap (about 1.5 s); a blocked batch never ends
 
 
 def test_batch_deduplicates_identical_jobs():
@@ -380,9 +381,11 @@ def test_batch_deduplicates_identical_jobs():
 
 
 def _assert_contained(r, t0, limit_s):
+    """No pass, and killed in time: `limit_s` is the wall-clock bound on a quiet machine (a real
+    deadline, so wall time, with room for a loaded one)."""
     took = time.monotonic() - t0
     assert r.status != "ok" and r.passed == 0, (r.status, r.passed, r.detail, r.stdout[-300:], r.stderr[-300:])
-    assert took < limit_s, took
+    assert took < under_load(limit_s), took
 
 
 def test_hostile_infinite_loop():
@@ -616,7 +619,7 @@ def test_a_trainer_killed_mid_run_leaves_no_sandbox_behind(tmp_path):
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL and "running" in out, err[-2000:]
-    deadline = time.monotonic() + 3.0
+    deadline = time.monotonic() + under_load(3.0)
     while _sandbox_leftovers(marker, owner=proc.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _sandbox_leftovers(marker, owner=proc.pid) == []
@@ -844,28 +847,32 @@ _DECIMAL_TEST = "from decimal import Decimal\nassert Decimal(f(1)) == Decimal('0
         "str-of-nested-ints", "round-digits", "decimal-power", "repeat", "modular-power", "floor"])
 def test_hostile_values_are_cheap_for_the_trainer_to_judge(no_digit_limit, tests, value):
     # what a hostile program can write on its data channel for a trusted test: judging it takes
-    # the trainer (GIL held, beyond the reward's timeout) a bounded time
+    # the trainer (GIL held, beyond the reward's timeout) a bounded time. CPU time of the judging
+    # thread: the costliest case here (str-of-nested-ints) takes about 0.6 s of it, quiet or
+    # loaded, where its wall time went past 1 s with two busy loops beside the suite; without
+    # the judge's bounds these take 8 s to hours
     from grpokit.rewards._judge import judge
     from grpokit.rewards._testplan import plan_tests
 
     plan = plan_tests(tests)
     assert plan.untrusted == 0
-    t0 = time.monotonic()
+    cpu0 = thread_cpu()
     ((ok, why),) = judge(plan, {0: {"u": 0, "v": [value]}})
-    assert time.monotonic() - t0 < 1.0 and not ok, why
+    assert thread_cpu() - cpu0 < 1.5 and not ok, why
 
 
 def test_hostile_json_numbers_are_cheap_for_the_trainer_to_read(no_digit_limit):
     line = b'{"u": 0, "v": [' + b"9" * 2_000_000 + b']}\n{"u": 1, "v": [3]}\n'
-    t0 = time.monotonic()
+    cpu0 = thread_cpu()
     assert _sandbox._lines(bytearray(line)) == [{"u": 1, "v": [3]}]
-    assert time.monotonic() - t0 < 1.0
+    assert thread_cpu() - cpu0 < 1.0
 
 
 def test_hostile_fraction_of_a_huge_decimal():
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), thread_cpu()
     r = run_tests("from decimal import Decimal\ndef f(x):\n    return Decimal('1e10000000')\n", _FRACTION_TEST, timeout_s=3.0)
     _assert_contained(r, t0, 5.0)
+    assert thread_cpu() - cpu0 < 1.0  # the trainer's side of the run: judging the value included
     assert r.untrusted == 0
 
 
@@ -883,7 +890,7 @@ def test_hostile_prints_an_output_pattern_without_solving():
     cases = [{"input": "4\n", "output": "YES\n"}, {"input": "7\n", "output": "NO\n"}, {"input": "9\n", "output": "NO\n"}]
     t0 = time.monotonic()
     r = run_tests("print('YES')\n", cases, timeout_s=3.0)  # the right answer for one case only
-    assert (r.status, r.passed, r.total) == ("failed", 1, 3) and time.monotonic() - t0 < 6.0
+    assert (r.status, r.passed, r.total) == ("failed", 1, 3) and time.monotonic() - t0 < under_load(6.0)
     assert REGISTRY["code_tests"](["p"], ["```python\nprint('YES')\n```"], timeout_s=3.0, tests=[cases])[0] < 1.0
     # all the answers at once, every token the pattern could need: the token count gives it away
     _assert_forgery_fails("print('YES NO')\nprint(12, 30, 1)\n", _IO_CASES)
@@ -909,7 +916,7 @@ def test_fallback_modes_still_time_out_and_reap(weak_mode, mode):
     assert ok
     t0 = time.monotonic()
     assert run_tests("while True: pass", "assert True", timeout_s=1.0).status == "timeout"
-    assert time.monotonic() - t0 < 5.0
+    assert time.monotonic() - t0 < under_load(5.0)
     marker = f"fallback-{uuid.uuid4().hex}"
     prog = (
         "import subprocess, sys\n"

@@ -7,12 +7,14 @@ import logging
 import math
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import yaml
 
 from grpokit.rewards import REGISTRY, CrossCheck, RewardSet, RewardSpec, get, register
+from tests.rewards.clocks import under_load
 
 
 @pytest.fixture
@@ -162,13 +164,27 @@ def test_raising_reward_is_contained_and_logged_once(temp_rewards, caplog):
     assert rs.error_counts["t_boom"] == 3
 
 
+def _held(release: threading.Event, finished: threading.Event, limit_s: float = 30.0) -> None:
+    """Sleep until `release` is set (`limit_s` at most), then set `finished`: a reward held like this
+    cannot return before the test releases it, so a caller that returns first did not wait for it."""
+    deadline = time.monotonic() + limit_s
+    while not release.is_set() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    finished.set()
+
+
 def test_slow_reward_hits_its_budget(temp_rewards, caplog):
-    temp_rewards("t_slow", lambda p, c, **k: time.sleep(3) or [1.0] * len(c))
+    release, finished = threading.Event(), threading.Event()
+    temp_rewards("t_slow", lambda p, c, **k: _held(release, finished) or [1.0] * len(c))
     rs = RewardSet.from_specs([{"name": "t_slow", "timeout_s": 0.2}, {"name": "exact_match"}])
     t0 = time.monotonic()
-    with caplog.at_level(logging.ERROR, logger="grpokit.rewards"):
-        out = rs.score(["q"], ["4"], cols(1))
-    assert time.monotonic() - t0 < 1.5
+    try:
+        with caplog.at_level(logging.ERROR, logger="grpokit.rewards"):
+            out = rs.score(["q"], ["4"], cols(1))
+        took, held = time.monotonic() - t0, not finished.is_set()
+    finally:
+        release.set()
+    assert held and took < under_load(1.5), took  # cut off at its budget (0.2 s), not waited for
     assert out.per_fn["t_slow"] == [None] and out.metrics["reward/t_slow/errors"] == 1.0  # one sample
     assert "time budget" in caplog.text and "time.sleep" in caplog.text  # where it was stuck
 
@@ -355,10 +371,12 @@ def test_crosscheck_tol_and_timeout_from_config_reach_the_checker(temp_rewards, 
     from grpokit.config import load_config
     from grpokit.train import build_rewards
 
-    # exact_match pays 1.0 for "4"; this checker pays 0.7 for it and sleeps on "slow"
+    # exact_match pays 1.0 for "4"; this checker pays 0.7 for it and is held on "slow"
+    release, finished = threading.Event(), threading.Event()
+
     def close_judge(prompts, completions, **columns):
         if "slow" in completions:
-            time.sleep(3)
+            _held(release, finished)
         return [0.7] * len(completions)
 
     temp_rewards("t_close_judge", close_judge)
@@ -373,8 +391,13 @@ def test_crosscheck_tol_and_timeout_from_config_reach_the_checker(temp_rewards, 
     assert out.metrics["reward/checker_checked"] == 1.0
     assert out.metrics["reward/checker_disagreement"] == 0.0  # |1.0 - 0.7| <= tol 0.5
     t0 = time.monotonic()
-    out = rs.score(["q"], ["slow"], cols(1))
-    assert time.monotonic() - t0 < 1.5 and out.metrics["reward/checker/errors"] == 1.0  # over its budget
+    try:
+        out = rs.score(["q"], ["slow"], cols(1))
+        took, held = time.monotonic() - t0, not finished.is_set()
+    finally:
+        release.set()
+    assert held and took < under_load(1.5), took  # cut off at its budget (0.2 s), not waited for
+    assert out.metrics["reward/checker/errors"] == 1.0
     # with the default tol the same scores disagree
     strict = build_rewards(load_config(str(run), ["crosscheck.tol=1e-6"]), run_dir=tmp_path)
     assert strict.score(["q"], ["4"], cols(1)).metrics["reward/checker_disagreement"] == 1.0

@@ -11,8 +11,8 @@ from grpokit.train.dropout import hidden_dropout
 from grpokit.train.logprobs import build_micro_batch, completion_logprobs
 from tests.fixtures import arithmetic_files, small_overrides, tiny_model_dir
 
-PRESETS = ["grpo", "dr_grpo", "dr_grpo_seed", "dr_grpo_rewrite", "dapo", "dapo_resample", "reinforce", "reinforce_sign",
-           "grpo_buckets", "gspo"]
+PRESETS = ["grpo", "dr_grpo", "dr_grpo_seed", "dr_grpo_rewrite", "dapo", "dapo_wide_clip", "dapo_resample", "reinforce",
+           "reinforce_sign", "grpo_buckets", "gspo", "kl_warmup"]   # `code`: tests/train/test_code_preset.py
 
 if "test_one_group_varies" not in REGISTRY:
     @register("test_one_group_varies")
