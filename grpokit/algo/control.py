@@ -155,7 +155,7 @@ class AdaptiveKL:
 
 
 class ZieglerKL:
-    """Proportional controller of Ziegler et al. 2019 (arXiv 1909.08593 §2.2; FORMULAS §8):
+    """Proportional controller of Ziegler et al. 2019 (arXiv 1909.08593 §2.2):
 
         e = clip(KL/target − 1, −0.2, 0.2);   β ← β·(1 + K·e)
 
