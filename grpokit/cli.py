@@ -106,7 +106,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_plan_memory(args) -> int:
-    """Estimate peak memory; apply the seed's order of cuts until the budget is met (seed 5.4)."""
+    """Estimate peak memory; apply the memory order of cuts until the budget is met (docs/memory.md)."""
     from grpokit.config import load_config, parse_override
     from grpokit.train import memory as mem
 
@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--run-dir", default="runs/compare")
     c.set_defaults(fn=cmd_compare)
 
-    pm = sub.add_parser("plan-memory", help="estimate peak memory and the seed's order of cuts to fit a budget")
+    pm = sub.add_parser("plan-memory", help="estimate peak memory and the order of cuts that fits a budget")
     pm.add_argument("config", nargs="+", help="config file(s) or preset names, then key.sub=value overrides")
     pm.add_argument("--budget", default=None, help="memory to fit, e.g. 24GiB (default: this GPU's or RAM's size)")
     pm.add_argument("--device", choices=["cpu", "cuda"], default=None, help="plan for this device (default: model.device)")

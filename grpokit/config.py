@@ -1,8 +1,10 @@
 """Typed configuration: YAML files, presets, `key.sub=value` overrides, one docstring per field.
 
-Defaults follow the seed's table (G 16, temperature 0.8, epsilon 0.2, beta 0.02 with the adaptive
-controller, lr 3e-6 for full fine-tuning, 2048 new tokens). A preset is a small YAML file that sets
-only what differs; `base:` in a YAML file names another file or preset it extends.
+Defaults follow the practitioner's starting values (G 16, temperature 0.8, epsilon 0.2, beta 0.02
+with the adaptive controller, lr 3e-6 for full fine-tuning, 2048 new tokens; docs/training.md,
+"Practitioner's rules"); where a default differs, docs/algorithms.md and docs/metrics.md say why.
+A preset is a small YAML file that sets only what differs; `base:` in a YAML file names another
+file or preset it extends.
 
 Every error a user can make here raises `ConfigError` with one line naming the key; the CLI prints
 it and exits with code 2.
@@ -109,8 +111,8 @@ class RolloutConfig(_Section):
     """Keep sampling after an EOS token (every completion is `max_new_tokens` long, finish_reason
     `length`); for benchmarks that need the same token count every step."""
     resample_threshold: float | None = Field(None, gt=0, lt=1)
-    """Over-confidence resampling (seed 3.2): when the top token's probability exceeds this, sample
-    from the distribution with that token excluded. None = off."""
+    """Over-confidence resampling (practitioner's rule "DAPO as practised"): when the top token's
+    probability exceeds this, sample from the distribution with that token excluded. None = off."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal and refill the batch with
     fresh prompts, up to `max_sampling_rounds` generation rounds."""
@@ -139,14 +141,17 @@ class KLConfig(_Section):
     in_reward: bool = False
     """Put the (detached, k1) KL into the reward instead of the loss."""
     ref_dropout: float = Field(0.0, ge=0, lt=1)
-    """Reference dropout (seed 3.1): dropout on the reference's hidden states when computing KL."""
+    """Reference dropout (practitioner's rule "Dr. GRPO as practised"): dropout on the reference's
+    hidden states when computing KL."""
     ref_device: Literal["same", "cpu", "swap"] = "same"
-    """Where a separate reference copy lives (seed 5.4): `same` device as the policy; `cpu` (kept and
-    run on the CPU); `swap` (kept on the CPU, moved to the policy's device for each reference pass).
-    Ignored for LoRA, whose reference is the policy with its adapters off (no copy)."""
+    """Where a separate reference copy lives (practitioner's rule "memory order"): `same` device as
+    the policy; `cpu` (kept and run on the CPU); `swap` (kept on the CPU, moved to the policy's
+    device for each reference pass). Ignored for LoRA, whose reference is the policy with its
+    adapters off (no copy)."""
     ref_cache: int = Field(0, ge=0)
     """Cache up to this many per-sample reference log-prob vectors keyed by (prompt, completion)
-    token ids, so repeated samples are not recomputed (seed 3.4); 0 = off. Off when ref_dropout > 0."""
+    token ids, so repeated samples are not recomputed (practitioner's rule "LoRA-GRPO": pre-cached
+    reference log-probs); 0 = off. Off when ref_dropout > 0."""
 
 
 class FilterConfig(_Section):
@@ -203,9 +208,9 @@ class AlgorithmConfig(_Section):
     kl: KLConfig = KLConfig()
     """KL penalty to the frozen reference."""
     sample_filter: FilterConfig = FilterConfig()
-    """Proxy-based sample filtering (seed 3.1)."""
+    """Proxy-based sample filtering (practitioner's rule "Dr. GRPO as practised")."""
     rewrite: RewriteConfig = RewriteConfig()
-    """Wrong-answer rewriting (seed 3.1)."""
+    """Wrong-answer rewriting (practitioner's rule "Dr. GRPO as practised")."""
     pass_threshold: float = 1.0
     """A completion passes (for pass@1, curriculum and rewriting) when the first reward is >= this."""
 
@@ -258,7 +263,7 @@ class CrossCheckConfig(_Section):
 
 class OptimConfig(_Section):
     lr: float = Field(3e-6, gt=0)
-    """AdamW learning rate (seed: 3e-6 full fine-tune, 1e-4 to 2e-4 LoRA)."""
+    """AdamW learning rate (starting values: 3e-6 full fine-tune, 1e-4 to 2e-4 LoRA)."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.99)
@@ -302,7 +307,8 @@ class TrainConfig(_Section):
 class LoraSection(_Section):
     enabled: bool = False
     """Train LoRA adapters (peft) instead of all weights; the reference is then the same model with
-    its adapters disabled (no second copy). Seed: rank 16-32, lr 1e-4 to 2e-4."""
+    its adapters disabled (no second copy). Practitioner's rule "LoRA-GRPO": rank 16-32, lr 1e-4 to
+    2e-4."""
     rank: int = Field(16, ge=1)
     """LoRA rank r."""
     alpha: float = Field(32.0, gt=0)

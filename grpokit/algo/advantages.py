@@ -4,11 +4,11 @@ All estimators share one signature and live in ``ESTIMATORS``; ``compute`` is th
 the trainer needs. Rewards are a flat vector laid out group after group (``group_size``), or carry
 explicit ``group_ids`` (variable group sizes, e.g. after filtering).
 
-Conventions shared by every estimator (see docs/algorithms.md and FORMULAS.md §0):
+Conventions shared by every estimator (docs/algorithms.md, "Advantage estimators"):
 - std is Bessel-corrected (÷(n−1)), eps is added outside the square root: (r − mean)/(std + eps).
 - A cell (group, or group × length bucket) whose finite rewards are all equal, or that has fewer
   than two finite rewards, gives advantage exactly 0. verl instead gives a singleton group its raw
-  reward (mean 0, std 1); we follow TRL (FORMULAS §0 trap 3).
+  reward (mean 0, std 1); we follow TRL's GRPOTrainer.
 - Non-finite rewards mean "could not be scored": they are left out of every statistic and their
   advantage is 0. ``stats["num_nonfinite"]`` counts them.
 - Statistics are computed in float64; the result has the dtype of ``rewards``.
@@ -150,20 +150,22 @@ def _over(num: Tensor, den: Tensor) -> Tensor:
 
 @register_estimator("grpo")
 def grpo(r: Tensor, cells: Cells, *, eps: float, lengths: Tensor | None = None) -> Tensor:
-    """(r − mean_g) / (std_g + eps), std with Bessel. DeepSeekMath (arXiv 2402.03300) §4.1.2."""
+    """(r − mean_g) / (std_g + eps), std with Bessel. DeepSeekMath (Shao et al. 2024,
+    arXiv 2402.03300) §4.1.2."""
     adv = (r - cells.mean(r)) / (cells.std(r) + eps)
     return torch.where(cells.constant(r), torch.zeros_like(r), adv)
 
 
 @register_estimator("dr_grpo")
 def dr_grpo(r: Tensor, cells: Cells, *, eps: float, lengths: Tensor | None = None) -> Tensor:
-    """r − mean_g, no std. Dr. GRPO (arXiv 2503.20783) §3.2."""
+    """r − mean_g, no std. Dr. GRPO (Liu et al. 2025, arXiv 2503.20783) §3.2."""
     return _centred(r, cells)
 
 
 @register_estimator("rloo")
 def rloo(r: Tensor, cells: Cells, *, eps: float, lengths: Tensor | None = None) -> Tensor:
-    """r − mean of the other n−1 rewards = n/(n−1)·(r − mean_g). RLOO (arXiv 2402.14740) §5.1.
+    """r − mean of the other n−1 rewards = n/(n−1)·(r − mean_g). RLOO (Ahmadian et al. 2024,
+    arXiv 2402.14740; Kool et al. 2019).
 
     Uses the identity form; a cell with one valid member gives 0 (verl leaves the raw score).
     """
@@ -173,7 +175,8 @@ def rloo(r: Tensor, cells: Cells, *, eps: float, lengths: Tensor | None = None) 
 
 @register_estimator("sign")
 def sign(r: Tensor, cells: Cells, *, eps: float, lengths: Tensor | None = None) -> Tensor:
-    """sign of the grpo advantage, in {−1, 0, +1}. No source proposes it (FORMULAS §9.1).
+    """sign of the grpo advantage, in {−1, 0, +1}. No paper proposes it (the nearest:
+    Zhu et al. 2025, arXiv 2506.01347, on learning from the sign of correctness); an ablation.
 
     A reward that equals its cell mean up to float64 rounding (|r − mean| ≤ 1e-12·max(|r|, |mean|),
     a tolerance of each completion's own magnitude, so one group's large rewards never blur another
@@ -189,7 +192,7 @@ def sign(r: Tensor, cells: Cells, *, eps: float, lengths: Tensor | None = None) 
 def reinforce_pp_baseline(
     r: Tensor, cells: Cells, *, eps: float, lengths: Tensor | None = None
 ) -> Tensor:
-    """REINFORCE++-baseline (arXiv 2501.03262; FORMULAS §6.2):
+    """REINFORCE++-baseline (Hu 2025, arXiv 2501.03262; OpenRLHF ``reinforce_baseline``):
     A' = r − mean_g, then A = A' / (std_batch(A') + eps).
 
     Deviations: std_batch is the Bessel std over completions (OpenRLHF: biased variance over tokens,

@@ -1,6 +1,6 @@
 """Per-token KL estimators between the policy π_θ and the reference π_ref.
 
-Source: J. Schulman, "Approximating KL Divergence" (2020); FORMULAS.md §2. With x ~ π_θ and
+Source: J. Schulman, "Approximating KL Divergence", blog post, 2020. With x ~ π_θ and
 u = π_ref(x)/π_θ(x) (so log u = ref_logp − logp):
 
     k1 = −log u = logp − ref_logp
@@ -8,7 +8,8 @@ u = π_ref(x)/π_θ(x) (so log u = ref_logp − logp):
     k3 = u − 1 − log u                      (GRPO, DeepSeekMath Eq. 4)
     k3_is = (π_θ/π_old) · k3                (k3 with an importance ratio, DeepSeek-V3.2 style)
 
-Gradient when used *as a loss* (FORMULAS §2.4; Liu et al. arXiv 2510.01555):
+Gradient when used *as a loss* (Liu et al. 2025, arXiv 2510.01555; Tang & Munos 2025, arXiv
+2506.09477; derivation and worked numbers in docs/algorithms.md, "KL estimators"):
     k1 → 0 in expectation (useless as a loss; use it in the reward, see ``kl_in_reward``);
     k2 → ∇ KL(π_θ‖π_ref), the reverse-KL gradient (on-policy);
     k3 → ∇ KL(π_ref‖π_θ), the *forward* KL: a first-order approximation of the k2 gradient;
@@ -148,8 +149,8 @@ def kl_in_reward(logp: Tensor, ref_logp: Tensor, mask: Tensor, *, clamp: float =
     "KL in reward" (Ziegler et al. 2019; RLOO; REINFORCE++): r_i ← r_i − β·kl_in_reward(...)_i,
     then advantages as usual. ``logp`` is the sampling policy's (π_old) or the current policy's
     log-probs; being a reward, it carries no gradient. Through the policy-gradient route this gives
-    the reverse-KL (score-function) gradient (FORMULAS §2.4). Only valid positions are checked for
-    NaN, so padding may hold anything.
+    the reverse-KL (score-function) gradient (Liu et al. 2025, arXiv 2510.01555). Only valid
+    positions are checked for NaN, so padding may hold anything.
     """
     if not (logp.shape == ref_logp.shape == mask.shape) or logp.dim() != 2:
         raise ValueError(

@@ -1,18 +1,19 @@
 """Clipped policy-gradient surrogate and loss aggregation.
 
-Per token (PPO, Schulman et al. 2017; FORMULAS §0 loss form):
+Per token (PPO, Schulman et al. 2017, arXiv 1707.06347, Eq. 7, written as a loss to minimise):
 
     ρ = exp(clamp(logp − old_logp, ±log_ratio_clamp))                          # [B, T]
     l = max(−A·ρ, −A·clip(ρ, 1 − ε_low, 1 + ε_high))                           # [B, T]
 
-- ε_high > ε_low is DAPO's Clip-Higher (arXiv 2503.14476 §3.1).
+- ε_high > ε_low is DAPO's Clip-Higher (Yu et al. 2025, arXiv 2503.14476 §3.1).
 - ``dual_clip=c`` (c > 1, Ye et al. arXiv 1912.09729; verl ``compute_policy_loss_vanilla``):
   l = where(A < 0, min(−A·c, l), l), so a negative-advantage token with ρ > c has bounded loss.
 - ``ratio_level="sequence"``: GSPO (arXiv 2507.18071, Eq. 7 and the GSPO-token form Eqs. 13-14):
   s_i = exp(mean_t log ρ_{i,t}) and ρ_{i,t} = sg(s_i)·π_θ/sg(π_θ), equal to s_i in value, so
   per-token advantages work. Each token's log-ratio is clamped before the mean.
 
-Aggregations (``AGGREGATIONS``, FORMULAS §3.5), with l masked to the valid tokens:
+Aggregations (``AGGREGATIONS``; worked example in docs/algorithms.md, "Worked examples"), with l
+masked to the valid tokens:
 
     token_mean               Σ l / N_tokens                DAPO Eq. 12; TRL dapo; verl token-mean
     seq_mean_token_mean      (1/N_seqs) Σ_i Σ_t l / |o_i|  GRPO Eq. 3; TRL grpo
@@ -102,7 +103,7 @@ def seq_mean_token_sum_norm(
     masked_loss: Tensor, mask: Tensor, *, num_tokens=None, num_seqs=None, max_len=None
 ):
     """Σ l / (N_seqs · max_len). Dr. GRPO Listing 1 (max_len = the generation budget). verl's mode
-    of the same name omits the 1/N_seqs (FORMULAS §3.3)."""
+    of the same name omits the 1/N_seqs (docs/algorithms.md, "Where grpokit differs")."""
     if max_len is None or not max_len > 0:
         raise ValueError(
             f"aggregation 'seq_mean_token_sum_norm' needs max_len > 0, got {max_len!r}"

@@ -1,4 +1,5 @@
-"""Curriculum sampling: easy prompts first, harder ones as training goes on (seed 3.1).
+"""Curriculum sampling: easy prompts first, harder ones as training goes on (practitioner's rule
+"Dr. GRPO as practised", docs/training.md).
 
 Each prompt's difficulty is 1 - its pass rate, tracked as an exponential moving average of the
 fraction of its G samples that passed, every time it is drawn. A prompt never seen yet has the

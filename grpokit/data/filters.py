@@ -2,10 +2,11 @@
 
 - `zero_variance_groups`: DAPO's dynamic sampling keeps only groups whose rewards are not all equal
   (arXiv 2503.14476, Eq. 11: 0 < #correct < G), since they carry no advantage signal.
-- `proxy_filter`: the seed's proxy-based sample filtering (Dr. GRPO as described there): a sample
-  whose cheap proxies mark it as noise (too long, truncated, duplicate of another sample in its
-  group, non-finite reward, failed format check) is dropped before it reaches the loss. Dropped
-  samples leave the group statistics too (their reward becomes NaN -> advantage 0).
+- `proxy_filter`: proxy-based sample filtering (practitioner's rule "Dr. GRPO as practised",
+  docs/training.md): a sample whose cheap proxies mark it as noise (too long, truncated, duplicate
+  of another sample in its group, non-finite reward, failed format check) is dropped before it
+  reaches the loss. Dropped samples leave the group statistics too (their reward becomes NaN ->
+  advantage 0).
 """
 
 from __future__ import annotations

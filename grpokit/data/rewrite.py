@@ -1,5 +1,5 @@
-"""Wrong-answer rewriting (seed 3.1, Dr. GRPO as described there): a wrong completion becomes a
-teaching sequence.
+"""Wrong-answer rewriting (practitioner's rule "Dr. GRPO as practised", docs/training.md): a wrong
+completion becomes a teaching sequence.
 
 The sequence is the prompt, the wrong completion (context only), then a templated note saying it
 is wrong and why, then the correct answer when one is known:

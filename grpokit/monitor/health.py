@@ -339,8 +339,9 @@ def length_explosion(history: History, p: LengthExplosionConfig) -> Alarm | None
     ``recent`` values; baseline = median of the (up to) ``baseline_window`` values just before
     them, of which at least ``min_baseline`` are needed. Fire when
         current ≥ factor · baseline   and   current − baseline ≥ min_increase.
-    A sliding baseline ignores slow growth (normal in reasoning RL) and catches jumps. The seed's
-    hint: this is usually a reward-function hole. Value: current / baseline.
+    A sliding baseline ignores slow growth (normal in reasoning RL) and catches jumps. As the
+    practitioner's rule "six signals" has it (docs/training.md), this is usually a hole in the
+    reward. Value: current / baseline.
     """
     x = _tail(history, "completion/length_mean", p.recent + p.baseline_window)
     if len(x) < p.recent + p.min_baseline:

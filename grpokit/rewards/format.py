@@ -6,8 +6,9 @@
     code_format         = 1.0 if the last fenced Python block parses and does something, else 0.0
 
 "Real" content has at least one letter or digit once markup tags are removed. So the tag-hacking
-outputs of the seed — `<think></think><answer></answer>`, whitespace-only or `...` inside the tags,
-tags with no text, or the tags repeated to be matched somewhere — are all worth 0. Known hole:
+outputs that a tags-only format reward teaches (practitioner's rule "rewards", docs/training.md) —
+`<think></think><answer></answer>`, whitespace-only or `...` inside the tags, tags with no text, or
+the tags repeated to be matched somewhere — are all worth 0. Known hole:
 a format reward cannot tell real reasoning from filler words; keep its weight small next to a
 correctness reward (docs/rewards.md).
 """

@@ -1,6 +1,6 @@
 """Penalties: registered rewards that are <= 0, each with its own weight in config.
 
-    soft_overlong      DAPO Eq. 13 (FORMULAS.md §4.5), L = completion tokens, c = cache:
+    soft_overlong      DAPO Eq. 13 (Yu et al. 2025, §3.4), L = completion tokens, c = cache:
                        0 if L <= L_max - c;  ((L_max - c) - L) / c if L_max - c < L <= L_max;  -1 if L > L_max
                        (times `penalty_factor`, verl's name; 1.0 in the paper)
     ngram_repetition   -(1 - distinct n-grams / n-grams), words by default (0: no repeat, -> -1: a loop)

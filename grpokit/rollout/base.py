@@ -95,11 +95,11 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     """Draw one token per row. logits: [B, V] (raw). Returns (tokens [B], logprobs [B], resampled [B]).
 
     The log-prob is that of the distribution actually sampled from: after temperature, top-k and
-    top-p truncation, and, with `resample_threshold` (seed 3.2's over-confidence intervention), after
-    removing the over-confident token. When the top token's probability exceeds the threshold, that
-    row samples from the same distribution with the top token excluded and renormalised; its
-    recorded log-prob is log q(token) under that renormalised q, so an importance ratio built on it
-    stays correct.
+    top-p truncation, and, with `resample_threshold` (the over-confidence resampling of the
+    practitioner's rule "DAPO as practised", docs/training.md), after removing the over-confident
+    token. When the top token's probability exceeds the threshold, that row samples from the same
+    distribution with the top token excluded and renormalised; its recorded log-prob is log q(token)
+    under that renormalised q, so an importance ratio built on it stays correct.
 
     Raises NonFiniteLogits when a row has NaN/inf logits (torch.multinomial would fail on it, on a
     GPU with a device-side assert).

@@ -1,5 +1,6 @@
-"""Reference dropout (seed 3.1): dropout active in the reference model's forward when computing the
-KL term, at a configurable rate, whatever the architecture's own dropout settings.
+"""Reference dropout (practitioner's rule "Dr. GRPO as practised", docs/training.md): dropout
+active in the reference model's forward when computing the KL term, at a configurable rate,
+whatever the architecture's own dropout settings.
 
 Implemented as forward hooks on the decoder layers that apply `F.dropout(p, training=True)` to each
 layer's output hidden states; removed on exit, so the model is untouched afterwards.

@@ -1,4 +1,5 @@
-"""Non-finite guard: name the likely cause of a NaN/inf update, in the seed's diagnosis order.
+"""Non-finite guard: name the likely cause of a NaN/inf update, in the diagnosis order of the
+practitioner's rule "NaN diagnosis order" (docs/training.md, "Practitioner's rules"), extended.
 
 The order goes from the cheapest, most common culprit to the rarest: rewards that could not be
 computed, a group whose rewards are all equal (only a problem for estimators that divide by the

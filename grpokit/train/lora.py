@@ -1,4 +1,4 @@
-"""LoRA and QLoRA policies (seed 3.4 and 5.4): adapters through `peft`, 4-bit base weights through
+"""LoRA and QLoRA policies (practitioner's rules "LoRA-GRPO" and "memory order", docs/training.md): adapters through `peft`, 4-bit base weights through
 `bitsandbytes`, adapter-only and merged saves, and loading either back for evaluation.
 
 The reference of a LoRA run is the policy itself with its adapters disabled

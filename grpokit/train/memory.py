@@ -1,5 +1,6 @@
-"""Memory planner (seed 5.4): estimate a run's peak memory from the model's config and ours, and
-apply the seed's order of cuts until it fits a budget:
+"""Memory planner: estimate a run's peak memory from the model's config and ours, and apply the
+order of cuts of the practitioner's rule "memory order" (docs/training.md, "Practitioner's rules")
+until it fits a budget:
 
     gradient checkpointing -> LoRA -> 4-bit base weights -> reference offload to CPU -> smaller G
 
@@ -271,7 +272,7 @@ def prompt_tokens_of(cfg, *, limit: int = 2000, default: int = 256) -> int:
         return default
 
 
-# --------------------------------------------------------------------------- the seed's order
+# --------------------------------------------------------------------------- the memory order
 
 
 @dataclass
@@ -288,8 +289,8 @@ class PlanRow:
 
 def plan(shape: Shape, s: Setup, budget: float, *, lr: float | None = None, prompts_per_step: int | None = None,
          mini_batches: int = 1) -> list[PlanRow]:
-    """Each step of the seed's order applied in turn (cumulatively), with its estimate. After the
-    seed's steps, if nothing fits yet, the micro-batch is halved (exact: the gradient is unchanged)."""
+    """Each step of the memory order applied in turn (cumulatively), with its estimate. After the
+    rule's steps, if nothing fits yet, the micro-batch is halved (exact: the gradient is unchanged)."""
     rows = [PlanRow("as configured", {}, estimate(shape, s))]
     over: dict[str, object] = {}
 
@@ -314,7 +315,7 @@ def plan(shape: Shape, s: Setup, budget: float, *, lr: float | None = None, prom
     else:
         ch: dict[str, object] = {"lora.enabled": True}
         if lr is not None and lr < 1e-5:
-            ch["optim.lr"] = 1e-4            # seed: 1e-4 to 2e-4 with LoRA
+            ch["optim.lr"] = 1e-4            # the LoRA rate of "LoRA-GRPO" (docs/training.md): 1e-4 to 2e-4
         ref = "adapter_off" if s.reference != "none" else "none"
         add(f"LoRA r={s.rank}, adapter-off reference", ch, replaced(lora=True, reference=ref))
     if s.four_bit:
@@ -342,7 +343,7 @@ def plan(shape: Shape, s: Setup, budget: float, *, lr: float | None = None, prom
     mb = min(s.micro_batch, s.batch_size)
     while rows[-1].peak > budget and mb > 1:
         mb = max(1, mb // 2)
-        add(f"micro-batch {mb} (beyond the seed's order)", {"optim.micro_batch_size": mb}, replaced(micro_batch=mb),
+        add(f"micro-batch {mb} (beyond the memory order)", {"optim.micro_batch_size": mb}, replaced(micro_batch=mb),
             "same gradient, more passes")
     return rows
 
@@ -366,7 +367,7 @@ def format_plan(rows: list[PlanRow], budget: float) -> str:
         if v:
             lines.append(f"  {k:12s} {fmt_bytes(v):>12s}")
     lines.append(f"  peak phase: {e0.peak_phase} ({', '.join(f'{k} {fmt_bytes(v)}' for k, v in e0.phases.items())})")
-    lines += ["", f"{'':2s}{'step (seed 5.4 order, cumulative)':44s}{'estimate':>12s}  fits  note"]
+    lines += ["", f"{'':2s}{'step (memory order, cumulative)':44s}{'estimate':>12s}  fits  note"]
     fit = first_fit(rows, budget)
     for r in rows:
         mark = "->" if r is fit else "  "
