@@ -1,5 +1,6 @@
-"""LoRA and QLoRA policies (practitioner's rules "LoRA-GRPO" and "memory order", docs/training.md): adapters through `peft`, 4-bit base weights through
-`bitsandbytes`, adapter-only and merged saves, and loading either back for evaluation.
+"""LoRA and QLoRA policies (practitioner's rules "LoRA-GRPO" and "memory order", docs/training.md):
+adapters through `peft`, 4-bit base weights through `bitsandbytes`, adapter-only and merged saves,
+and loading either back for evaluation.
 
 The reference of a LoRA run is the policy itself with its adapters disabled
 (`grpokit.train.reference.Reference.of_adapters_off`): no second copy of the weights. Its log-probs equal the base model's
