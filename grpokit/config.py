@@ -287,10 +287,17 @@ class TrainConfig(_Section):
     """Seeds data order, sampling and initialisation."""
     run_dir: str = "runs/grpo"
     """Where metrics, samples, checkpoints and the report go."""
-    save_every: int = Field(0, ge=0)
-    """Checkpoint every N steps (0 = only at the end)."""
+    save_every: int = Field(500, ge=0)
+    """Checkpoint every N steps (the practitioner's rule: every 500-1000 steps), plus step 0 and
+    the end; 0 = no step-based checkpoints. A run that saves at all saves step 0 first: the NaN
+    guard's rollback needs a healthy checkpoint to go back to."""
+    save_every_minutes: float = Field(30.0, ge=0)
+    """Also checkpoint when this many minutes have passed since the last checkpoint, whichever
+    comes first (0 = off). With both 0 only the end of the run is saved."""
     keep_last: int = Field(2, ge=1)
-    """Checkpoints kept (older ones are deleted)."""
+    """Newest checkpoints kept (older ones are deleted, except the healthy ones below)."""
+    keep_healthy: int = Field(1, ge=1)
+    """Newest healthy checkpoints kept besides them (rollback targets)."""
     eval_every: int = Field(0, ge=0)
     """Held-out evaluation (when `data.eval_path` is set) every N steps and after the last step;
     0 = only before the first step (logged as step 0) and after the last."""

@@ -61,7 +61,7 @@ def _discard(root: Path, ckpt: Path) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, *, keep_last: int = 2,
-                    healthy: bool = True, merged: bool = False) -> Path:
+                    healthy: bool = True, merged: bool = False, keep_healthy: int = 1) -> Path:
     """Write RUN_DIR/checkpoints/step_NNNNNN atomically: into `.tmp_step_*`, every file fsynced, the
     COMPLETE marker last, then one rename. Returns the checkpoint's path."""
     root = Path(run_dir) / "checkpoints"
@@ -89,7 +89,7 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, *, 
     _fsync_dir(root)
     if healthy:
         _write_atomic(root / "HEALTHY", final.name)
-    _prune(root, keep_last)
+    _prune(root, keep_last, keep_healthy)
     return final
 
 
@@ -116,8 +116,23 @@ def healthy_checkpoint(run_dir: Path) -> Path | None:
     return None
 
 
-def _prune(root: Path, keep_last: int) -> None:
+def healthy_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints marked healthy, oldest first."""
+    out = []
+    for p in list_checkpoints(run_dir):
+        try:
+            if json.loads((p / MARKER).read_text()).get("healthy", True):
+                out.append(p)
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _prune(root: Path, keep_last: int, keep_healthy: int = 1) -> None:
+    """Keep the newest `keep_last` checkpoints, the newest `keep_healthy` healthy ones and the one
+    HEALTHY names; discard the rest."""
     keep = set(list_checkpoints(root.parent)[-keep_last:])
+    keep |= set(healthy_checkpoints(root.parent)[-max(keep_healthy, 1):])
     healthy = healthy_checkpoint(root.parent)
     for p in list_checkpoints(root.parent):
         if p not in keep and p != healthy:

@@ -24,31 +24,39 @@ class NonFiniteStep(RuntimeError):
 
 def diagnose(*, rewards: torch.Tensor | None = None, advantages: torch.Tensor | None = None,
              frac_zero_std: float | None = None, ratio_max: float | None = None,
-             logp_min: float | None = None, logp_finite: bool = True, grad_finite: bool = True) -> str:
+             logp_min: float | None = None, logp_finite: bool = True, grad_finite: bool = True,
+             half_precision: str | None = None) -> str:
     """Return a one-line cause for a skipped update: the first check in the order that applies.
 
     `rewards`: the step's rewards (NaN = could not be scored); `frac_zero_std`: the share of its
     groups whose rewards are all equal. Both lead the order but are the cause only when the
-    `advantages` are not finite; otherwise they are appended as context."""
+    `advantages` are not finite; otherwise they are appended as context. `half_precision`: the
+    dtype name ("bfloat16", "float16") when the step ran in it and a float32 recomputation of the
+    same forward pass was finite (the third check of the diagnosis order, docs/training.md)."""
     n_bad = int((~torch.isfinite(rewards)).sum()) if rewards is not None else 0
     bad_rewards = f"{n_bad} reward(s) not finite (a reward function failed or returned NaN/inf)" if n_bad else None
     has_zero_std = frac_zero_std is not None and math.isfinite(frac_zero_std) and frac_zero_std > 0
     zero_std = f"{frac_zero_std:.0%} of groups have zero std" if has_zero_std else None
     if advantages is not None and not torch.isfinite(advantages).all():
         return bad_rewards or "non-finite advantages" + (f" ({zero_std})" if zero_std else "")
-    cause = _update_cause(ratio_max, logp_min, logp_finite, grad_finite)
+    cause = _update_cause(ratio_max, logp_min, logp_finite, grad_finite, half_precision)
     context = [c for c in (bad_rewards, zero_std) if c]
     return cause + (f"; also: {'; '.join(context)} (given advantage 0)" if context else "")
 
 
-def _update_cause(ratio_max: float | None, logp_min: float | None, logp_finite: bool, grad_finite: bool) -> str:
+def _update_cause(ratio_max: float | None, logp_min: float | None, logp_finite: bool, grad_finite: bool,
+                  half_precision: str | None = None) -> str:
     """The rest of the order, for an update whose advantages are finite."""
     if ratio_max is not None and (not math.isfinite(ratio_max) or ratio_max > 1e3):
         return f"importance ratio overflow (max ratio {ratio_max:.3g})"
+    precision = (f"mixed precision: the forward pass overflowed in {half_precision} but its float32 "
+                 "recomputation is finite (train in float32, or keep the logits and loss in float32)")
     if not logp_finite:
-        return "non-finite log-probs (NaN/inf logits in the forward pass)"
+        return precision if half_precision else "non-finite log-probs (NaN/inf logits in the forward pass)"
     if logp_min is not None and logp_min < -1e3:
         return f"extreme log-probs (min {logp_min:.3g}): a sampled token had ~0 probability under the policy"
+    if half_precision:
+        return precision
     if not grad_finite:
         return "non-finite gradients (overflow in backward)"
     return "non-finite loss (cause not identified)"

@@ -79,6 +79,8 @@ class Trainer:
         self.step_idx = 0
         self.ref_probe = ReferenceProbe(cfg.guard) if self.reference is not None and cfg.guard.ref_check_every else None
         self.last_batch: Batch | None = None          # the last step's batch (sample dumps)
+        self.clock = time.monotonic                   # for time-based checkpoints
+        self.saved_at = (-1, self.clock())            # (step, clock) of the last checkpoint
 
     model = property(lambda self: self.worker.model)
     reference = property(lambda self: self.worker.reference)
@@ -291,7 +293,15 @@ class Trainer:
         path = self.run.save(self.step_idx, self.worker, self.tokenizer, self.state_dict(),
                              healthy=not self.guard.bad_since_save)
         self.guard.bad_since_save = False
+        self.saved_at = (self.step_idx, self.clock())
         return path
+
+    def save_due(self) -> bool:
+        """A checkpoint after this step: every `train.save_every` steps, or `train.save_every_minutes`
+        after the last one, whichever comes first."""
+        t = self.cfg.train
+        return bool((t.save_every and self.step_idx % t.save_every == 0) or
+                    (t.save_every_minutes and self.clock() - self.saved_at[1] >= 60 * t.save_every_minutes))
 
     def resume(self) -> bool:
         """Restore the latest complete checkpoint of run_dir; False when there is none."""
@@ -301,6 +311,7 @@ class Trainer:
         load_weights(self.model, ck)
         self.load_state_dict(load_state(ck))
         self.sync_weights()
+        self.saved_at = (self.step_idx, self.clock())
         self.run.resumed(self.step_idx)
         log.info("resumed from %s (step %d)", ck, self.step_idx)
         return True
@@ -309,7 +320,7 @@ class Trainer:
         """A run that does not resume: earlier output moved aside, the step-0 checkpoint saved and,
         with `train.eval_every: 0`, the baseline evaluation logged as step 0."""
         self.run.start_fresh()
-        if self.cfg.train.save_every:
+        if self.cfg.train.save_every or self.cfg.train.save_every_minutes:
             self.save()                  # step 0: a healthy point to roll back to
         if self.cfg.train.eval_every == 0 and self.eval_dataset is not None:
             baseline = self.run_eval()   # held-out accuracy before training
@@ -348,7 +359,7 @@ class Trainer:
                 self.health.update(self.step_idx, metrics)
             if cfg.train.sample_every and self.step_idx % cfg.train.sample_every == 0:
                 self.write_samples()
-            if cfg.train.save_every and self.step_idx % cfg.train.save_every == 0:
+            if self.save_due():
                 self.save()
             if progress is not None:
                 progress(self.step_idx, metrics)
@@ -356,7 +367,7 @@ class Trainer:
             if self.health is not None and getattr(self.health, "should_stop", False):
                 log.warning("stopping: a health alarm configured to stop fired")
                 break
-        if not cfg.train.save_every or self.step_idx % cfg.train.save_every:
+        if self.saved_at[0] != self.step_idx:
             self.save()
         self.run.close()
         if self.health is not None:

@@ -62,7 +62,8 @@ class RunDir:
         """Checkpoint of the worker's policy and the run's state; `healthy` marks it as a point to
         roll back to."""
         return ckpt_lib.save_checkpoint(self.path, step, worker.model, tokenizer, state,
-                                        keep_last=self.cfg.train.keep_last, healthy=healthy,
+                                        keep_last=self.cfg.train.keep_last, keep_healthy=self.cfg.train.keep_healthy,
+                                        healthy=healthy,
                                         merged=self.cfg.lora.save == "merged")
 
     def event(self, row: dict) -> None:

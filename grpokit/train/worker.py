@@ -16,6 +16,7 @@ cause named (grpokit.train.guard): the others are applied.
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from typing import Iterator, Protocol, runtime_checkable
@@ -188,7 +189,8 @@ class LocalWorker:
         adv = batch.advantages[rows].to(dev, logp.dtype)
         if not torch.isfinite(valid).all():
             self._seen = _NOTHING_SEEN
-            raise NonFiniteStep(self._diagnose(batch, advantages=adv, logp_finite=False))
+            raise NonFiniteStep(self._diagnose(batch, advantages=adv, logp_finite=False,
+                                               half_precision=self._float32_rescues(mb, mask)))
 
         def cut(t):
             return None if t is None else t[rows, :L].to(dev, logp.dtype)
@@ -203,7 +205,8 @@ class LocalWorker:
         if not torch.isfinite(total.detach()):
             self._seen = _NOTHING_SEEN
             raise NonFiniteStep(self._diagnose(batch, advantages=adv, ratio_max=st.get("ratio_max"),
-                                               logp_min=lp_min if valid.numel() else None))
+                                               logp_min=lp_min if valid.numel() else None,
+                                               half_precision=self._float32_rescues(mb, mask)))
         self._seen = (max(self._seen[0], st.get("ratio_max", 0.0)), min(self._seen[1], lp_min))
         total.backward()
         out = {"loss/policy": st["policy"], "loss/total": float(total.detach()),
@@ -217,6 +220,22 @@ class LocalWorker:
         for k in ("clip_frac_low", "clip_frac_high", "approx_kl", "ratio_max"):
             out[f"policy/{'approx_kl_old' if k == 'approx_kl' else k}"] = float(st[k])
         return out, ntok
+
+    @torch.no_grad()
+    def _float32_rescues(self, mb: MicroBatch, mask: torch.Tensor) -> str | None:
+        """For a policy in bfloat16 / float16 whose forward pass was not finite: the dtype's name when
+        the same micro-batch through a float32 copy of the policy gives finite log-probs (the
+        overflow is the precision's, not the weights'), else None. A copy is made only here, on
+        a failed step."""
+        dtype = next(self.model.parameters()).dtype
+        if dtype not in (torch.bfloat16, torch.float16):
+            return None
+        full = copy.deepcopy(self.model).float()
+        logp, _ = completion_logprobs(full, mb, temperature=self.cfg.rollout.temperature,
+                                      chunk_tokens=self.cfg.optim.logprob_chunk)
+        del full
+        ok = bool(torch.isfinite(logp[mask.bool()]).all())
+        return str(dtype).removeprefix("torch.") if ok else None
 
     def _rewrite_step(self, rewrites) -> float:
         """Wrong-answer rewriting's auxiliary term (grpokit.data.rewrite), added to the first

@@ -306,12 +306,64 @@ def test_k_bad_steps_in_a_row_roll_back_to_the_last_healthy_checkpoint(setup):
 @pytest.mark.parametrize("save_every, why", [(1, "2 rollbacks already"), (0, "no healthy checkpoint")])
 def test_a_run_that_keeps_failing_stops_with_an_error(setup, save_every, why):
     tr = _trainer(setup, f"diverge{save_every}", health=False,
-                  **{"train.save_every": save_every, "train.steps": 8, "guard.max_consecutive_bad": 1,
+                  **{"train.save_every": save_every, "train.save_every_minutes": 0, "train.steps": 8,
+                     "guard.max_consecutive_bad": 1,
                      "guard.max_rollbacks": 2})
     _poison(tr, set(range(2, 9)), _nan)
     with pytest.raises(RuntimeError, match=f"training diverged .*{why}"):
         tr.train()
     assert tr.guard.rollbacks == (2 if save_every else 0)
+
+
+def test_a_default_run_checkpoints_step_0_and_rolls_back(setup):
+    """No checkpoint setting at all: step 0 is saved before training, so a NaN streak rolls back to
+    it instead of stopping with "no healthy checkpoint"."""
+    root, model_dir, train = setup
+    over = small_overrides(model_dir, train, root / "default_ckpt", **{
+        "train.steps": 4, "guard.max_consecutive_bad": 2, "guard.max_rollbacks": 3})
+    assert not any(o.startswith("train.save_every") for o in over)        # the defaults decide
+    cfg = load_config(None, over)
+    assert cfg.train.save_every >= 500 and cfg.train.save_every_minutes > 0
+    tr = build_trainer(cfg, health=False)
+    _poison(tr, {2, 3}, _nan)
+    tr.train()
+    events = _rows(tr.run_dir, "guard.jsonl")
+    assert [(e["event"], e["step"]) for e in events] == [("skip", 2), ("skip", 3), ("rollback", 3)]
+    assert events[-1]["to"] == "step_000000"
+    names = sorted(p.name for p in (tr.run_dir / "checkpoints").glob("step_*"))
+    assert names == ["step_000000", "step_000004"] and tr.guard.rollbacks == 1
+
+
+def test_time_based_checkpoints_and_kept_healthy_ones(setup):
+    """save_every_minutes fires when the clock says so, whatever the step count; keep_healthy keeps
+    the newest healthy checkpoints beside the newest ones."""
+    tr = _trainer(setup, "timed", health=False, **{"train.save_every": 0, "train.save_every_minutes": 1,
+                                                   "train.steps": 5, "train.keep_last": 1, "train.keep_healthy": 2})
+    ticks = iter(range(0, 10_000, 40))                       # 40 s per reading of the trainer's clock
+    tr.clock = lambda: float(next(ticks))
+    tr.train()                                               # saves steps 0, 2, 4 (>= 60 s after the last), 5
+    assert sorted(p.name for p in (tr.run_dir / "checkpoints").glob("step_*")) == ["step_000004", "step_000005"]
+    names = sorted(p.name for p in (tr.run_dir / "checkpoints").glob("step_*"))
+    assert len(names) == 2 and names[-1] == "step_000005"    # keep_last 1 + the previous healthy one
+    assert [p.name for p in ckpt_lib.healthy_checkpoints(tr.run_dir)] == names
+
+
+@pytest.mark.parametrize("only_in_half", [True, False])
+def test_mixed_precision_overflow_is_named(setup, only_in_half):
+    """A bfloat16 policy whose training forward overflows: when a float32 recomputation of the same
+    micro-batch is finite the cause is mixed precision (the third check of the diagnosis order);
+    when it overflows in float32 too, it is not."""
+    tr = _trainer(setup, f"bf16_{only_in_half}", health=False,
+                  **{"model.dtype": "bfloat16", "train.steps": 1, "algorithm.kl.beta": 0.0})
+
+    def hook(_module, _inp, out):      # the training forward only (generation runs in inference mode)
+        if not torch.is_inference_mode_enabled() and (out.dtype == torch.bfloat16 or not only_in_half):
+            return out * float("inf")
+        return None
+    tr.model.get_output_embeddings().register_forward_hook(hook)
+    tr.train()
+    cause = _rows(tr.run_dir, "guard.jsonl")[0]["cause"]
+    assert ("mixed precision" in cause and "bfloat16" in cause) == only_in_half, cause
 
 
 # ---------------------------------------------------------------------------------------- reference

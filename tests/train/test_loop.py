@@ -160,3 +160,24 @@ def test_mask_truncated_takes_truncated_rows_out_of_the_loss(setup):
             assert torch.equal(data.loss_mask, full)
             assert m["optim/grad_norm"] > 0
             assert not torch.equal(_weights(tr.model), before)
+
+
+def test_logprob_min_is_logged_every_step(setup):
+    """`policy/logprob_min`: the smallest log-prob of the step's trained tokens under the policy
+    before its update, recomputed independently here."""
+    root, model_dir, train, _ = setup
+    cfg = load_config(None, small_overrides(model_dir, train, root / "lpmin", **{
+        "train.steps": 1, "algorithm.kl.beta": 0.05, "rewards": "[{name: test_varied}]"}))
+    tr = build_trainer(cfg, health=False)
+    seen = []
+    real = tr.worker.train_step
+
+    def spy(batch, beta, **kw):
+        lp = tr.worker.logprobs(batch, "policy")
+        seen.append(float(lp[batch.loss_mask.bool()].min()))
+        return real(batch, beta, **kw)
+
+    tr.worker.train_step = spy
+    m = tr.step()
+    assert m["policy/logprob_min"] < 0
+    assert m["policy/logprob_min"] == pytest.approx(seen[0], abs=1e-5)
