@@ -12,8 +12,9 @@ extra keyword arguments. Every reward must accept and ignore columns it does not
 
 from __future__ import annotations
 
-import difflib
 from typing import Callable, Protocol
+
+from grpokit._names import lookup
 
 
 class RewardFn(Protocol):
@@ -46,9 +47,16 @@ def register(name: str, *, own_time_limit: bool = False):
 
 def get(name: str) -> Callable[..., list]:
     """The registered reward `name`; ValueError naming it and the closest registered name."""
-    try:
-        return REGISTRY[name]
-    except (KeyError, TypeError):
-        close = difflib.get_close_matches(str(name), list(REGISTRY), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown reward {name!r}{hint} (registered: {', '.join(sorted(REGISTRY))})") from None
+    return lookup(REGISTRY, name, "reward", listing="registered")
+
+
+def read_column(reward: str, column: str, columns: dict, n: int) -> list:
+    """The dataset column `column` from a reward's `columns`, checked to hold one value per
+    completion: KeyError naming the missing column and the ones present, ValueError on a length
+    mismatch. Every reward that reads a column (the reference answer, the tests) uses this."""
+    if column not in columns:
+        raise KeyError(f"{reward} needs the dataset column {column!r} (have: {sorted(columns)})")
+    vals = list(columns[column])
+    if len(vals) != n:
+        raise ValueError(f"{reward}: column {column!r} has {len(vals)} entries for {n} completions")
+    return vals
