@@ -540,18 +540,30 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 def load_config(paths: list[str] | str | None = None, overrides: list[str] | None = None) -> Config:
     """Merge YAML files (or preset names) left to right, apply `key=value` overrides, validate."""
-    data: dict = {}
-    for p in [paths] if isinstance(paths, str) else (paths or []):
-        data = _deep_merge(data, _read_yaml(resolve_preset(p)))
+    data = read_configs(paths)
     for item in overrides or []:
         keys, value = parse_override(item)
-        node = data
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override '{item}': '{k}' is not a section")
-        node[keys[-1]] = value
+        set_key(data, keys, value, f"override '{item}'")
     return config_from_dict(data)
+
+
+def read_configs(paths: list[str] | str | None) -> dict:
+    """The YAML files (or preset names) merged left to right, as a plain mapping (not validated)."""
+    data: dict = {}
+    for p in [paths] if isinstance(paths, str) else (paths or []):
+        data = _deep_merge(data, _read_yaml(resolve_preset(str(p))))
+    return data
+
+
+def set_key(data: dict, keys: list[str], value: Any, what: str) -> None:
+    """Set `keys` (a dotted key split at the dots) in the nested dict `data`, creating sections on
+    the way; `what` names the override in the error when a key on the way is not a section."""
+    node = data
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{what}: '{k}' is not a section")
+    node[keys[-1]] = value
 
 
 def config_from_dict(data: dict) -> Config:

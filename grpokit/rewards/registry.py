@@ -12,6 +12,9 @@ extra keyword arguments. Every reward must accept and ignore columns it does not
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Callable, Protocol
 
 from grpokit._names import lookup
@@ -43,6 +46,33 @@ def register(name: str, *, own_time_limit: bool = False):
         return fn
 
     return deco
+
+
+_SCOPED = threading.RLock()
+
+
+@contextmanager
+def registered_while(rewards: Sequence[tuple[str, Callable[..., list]]]) -> Iterator[list[str]]:
+    """Register each `(name, fn)` for the duration of the block only; yields the names used: `name`,
+    or `name_2`, `name_3`, ... when it is taken by another function (a function registered under
+    `name` already keeps it). Such blocks run one at a time, so none sees another's names, and the
+    registry is as before once the block ends."""
+    with _SCOPED:
+        names, added = [], []
+        try:
+            for name, fn in rewards:
+                used, k = name, 1
+                while used in REGISTRY and REGISTRY[used] is not fn:
+                    k += 1
+                    used = f"{name}_{k}"
+                if used not in REGISTRY:
+                    register(used, own_time_limit=getattr(fn, "own_time_limit", False))(fn)
+                    added.append(used)
+                names.append(used)
+            yield names
+        finally:
+            for name in added:
+                REGISTRY.pop(name, None)
 
 
 def get(name: str) -> Callable[..., list]:
