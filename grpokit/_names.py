@@ -1,18 +1,31 @@
-"""One helper for every registry lookup: unknown names fail with the closest valid one."""
+"""One helper for every "did you mean" hint and every registry lookup: an unknown name fails with
+the closest valid one."""
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TypeVar
 
 T = TypeVar("T")
 
 
-def lookup(table: Mapping[str, T], name: str, what: str) -> T:
+def closest(word, options: Iterable, *, cutoff: float = 0.6) -> str | None:
+    """The option closest to `word` (difflib ratio >= cutoff), or None."""
+    hits = difflib.get_close_matches(str(word), [str(o) for o in options], n=1, cutoff=cutoff)
+    return hits[0] if hits else None
+
+
+def did_you_mean(word, options: Iterable, *, cutoff: float = 0.6) -> str:
+    """`"; did you mean 'x'?"` for the closest option, or "" when none is close."""
+    hit = closest(word, options, cutoff=cutoff)
+    return f"; did you mean {hit!r}?" if hit is not None else ""
+
+
+def lookup(table: Mapping[str, T], name, what: str, *, listing: str = "known") -> T:
     """`table[name]`, or a one-line ValueError naming `what`, the closest name and the known ones."""
-    if name in table:
+    try:
         return table[name]
-    close = difflib.get_close_matches(str(name), list(table), n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise ValueError(f"unknown {what} {name!r}{hint} (known: {', '.join(sorted(table))})")
+    except (KeyError, TypeError):  # TypeError: an unhashable name (a list from YAML)
+        raise ValueError(f"unknown {what} {name!r}{did_you_mean(name, table)} "
+                         f"({listing}: {', '.join(sorted(table))})") from None

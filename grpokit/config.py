@@ -12,20 +12,75 @@ it and exits with code 2.
 
 from __future__ import annotations
 
-import difflib
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from grpokit._names import closest, did_you_mean, lookup
 from grpokit.monitor.health import HealthConfig
+from grpokit.rewards.compose import TimeoutS
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
 
 class ConfigError(ValueError):
     """A one-line, user-facing configuration error."""
+
+
+# --------------------------------------------------------------------------- registered names
+# A field that names a pluggable part is checked against its registry when the config is built,
+# not against a fixed list: a name registered before then (`register_estimator`, `register_kind`,
+# `register_aggregation`, `register_controller`, `register_engine`, `grpokit.rewards.register`) is
+# accepted from YAML like a built-in one. The registries are imported only when a value is checked.
+
+
+def _registered(what: str, table: Callable[[], Mapping], listing: str = "known"):
+    def check(name: str) -> str:
+        lookup(table(), name, what, listing=listing)
+        return name
+
+    return Annotated[str, AfterValidator(check)]
+
+
+def _estimators():
+    from grpokit.algo.advantages import ESTIMATORS
+    return ESTIMATORS
+
+
+def _aggregations():
+    from grpokit.algo.loss import AGGREGATIONS
+    return AGGREGATIONS
+
+
+def _kl_kinds():
+    from grpokit.algo.kl import KINDS
+    return KINDS
+
+
+def _controllers():
+    from grpokit.algo.control import CONTROLLERS
+    return CONTROLLERS
+
+
+def _engines():
+    from grpokit.rollout.registry import ENGINES
+    return ENGINES
+
+
+def _rewards():
+    from grpokit.rewards import REGISTRY
+    return REGISTRY
+
+
+AdvantageName = _registered("advantage estimator", _estimators)
+AggregationName = _registered("loss aggregation", _aggregations)
+KLKindName = _registered("KL estimator", _kl_kinds)
+ControllerName = _registered("KL controller", _controllers)
+EngineName = _registered("rollout engine", _engines)
+RewardName = _registered("reward", _rewards, listing="registered")
 
 
 class _Section(BaseModel):
@@ -85,10 +140,10 @@ class DataConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    engine: Literal["hf", "hf_copy"] = "hf"
-    """Generation engine, by name in `grpokit.rollout.registry` (`hf`: the policy itself through
+    engine: EngineName = "hf"
+    """Generation engine, a name in `grpokit.rollout.ENGINES` (`hf`: the policy itself through
     transformers with a KV cache, in-process; `hf_copy`: the same over its own copy of the
-    weights, synced after every optimizer step)."""
+    weights, synced after every optimizer step; add one with `grpokit.rollout.register_engine`)."""
     is_correction: bool = True
     """When the engine holds its own weights (its numerics may differ from the trainer's): weight
     each token's loss by the truncated importance ratio pi_old / pi_sampler (docs/algorithms.md,
@@ -123,10 +178,12 @@ class RolloutConfig(_Section):
 class KLConfig(_Section):
     beta: float = Field(0.02, ge=0)
     """KL coefficient (initial value for adaptive controllers). 0 = no reference model."""
-    estimator: Literal["k1", "k2", "k3", "k3_is"] = "k3"
-    """Per-token KL estimator (docs/algorithms.md says which gradient each gives)."""
-    controller: Literal["fixed", "adaptive", "ziegler", "warmup", "schedule"] = "adaptive"
-    """How beta changes during training."""
+    estimator: KLKindName = "k3"
+    """Per-token KL estimator, a name in `grpokit.algo.kl.KINDS`: k1, k2, k3, k3_is, or one added
+    with `register_kind` (docs/algorithms.md says which gradient each gives)."""
+    controller: ControllerName = "adaptive"
+    """How beta changes during training, a name in `grpokit.algo.control.CONTROLLERS`: fixed,
+    adaptive, ziegler, warmup, schedule, or one added with `register_controller`."""
     target_low: float = 0.01
     """Adaptive controller: lower beta when the observed KL is below this."""
     target_high: float = 0.1
@@ -162,7 +219,7 @@ class FilterConfig(_Section):
     drop_duplicates: bool = False
     """Drop repeated identical completions within a group (the first is kept)."""
     format_reward: str | None = None
-    """Drop samples scoring <= 0 on this reward function (a format check)."""
+    """Drop samples scoring <= 0 on this reward function (a format check; one of `rewards`)."""
     drop_nonfinite: bool = True
     """Drop samples whose reward could not be computed."""
 
@@ -179,17 +236,19 @@ class RewriteConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    advantage: str = "grpo"
-    """Advantage estimator: grpo, dr_grpo, rloo, sign, reinforce_pp_baseline, batch_std, opo."""
+    advantage: AdvantageName = "grpo"
+    """Advantage estimator, a name in `grpokit.algo.advantages.ESTIMATORS`: grpo, dr_grpo, rloo,
+    sign, reinforce_pp_baseline, batch_std, opo, or one added with `register_estimator`."""
     adv_eps: float = 1e-6
     """Added to the group std before dividing."""
     length_buckets: list[float] | None = None
     """Length-bucketed baselines: bucket edges (tokens, or quantiles in (0,1) with bucket_mode)."""
     bucket_mode: Literal["tokens", "quantiles"] = "tokens"
     """Whether `length_buckets` are token counts or quantiles of each group's lengths."""
-    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
-    """Loss aggregation (token_mean = DAPO, seq_mean_token_mean = GRPO paper, seq_mean_token_sum_norm
-    = Dr. GRPO with max_new_tokens as the constant)."""
+    loss_agg: AggregationName = "token_mean"
+    """Loss aggregation, a name in `grpokit.algo.loss.AGGREGATIONS` (token_mean = DAPO,
+    seq_mean_token_mean = GRPO paper, seq_mean_token_sum_norm = Dr. GRPO with max_new_tokens as the
+    constant, or one added with `register_aggregation`)."""
     eps_low: float = Field(0.2, ge=0)
     """Lower clip range: ratio >= 1 - eps_low."""
     eps_high: float = Field(0.2, ge=0)
@@ -216,13 +275,13 @@ class AlgorithmConfig(_Section):
 
 
 class RewardSpecConfig(_Section):
-    name: str
-    """Registered reward name (grpokit.rewards)."""
+    name: RewardName
+    """Registered reward name (`grpokit.rewards.REGISTRY`; add one with `grpokit.rewards.register`)."""
     weight: float = 1.0
     """Weight in the summed reward."""
     args: dict[str, Any] = {}
     """Keyword arguments bound to the reward function."""
-    timeout_s: float | None | Literal["auto"] = "auto"
+    timeout_s: TimeoutS = "auto"
     """Time budget in seconds for one call (all samples of the batch); over it the batch scores None
     and an error is counted, and training goes on. `auto`: 300 s
     (`grpokit.rewards.compose.DEFAULT_TIMEOUT_S`), or no budget for a reward that enforces its own
@@ -231,17 +290,11 @@ class RewardSpecConfig(_Section):
     stalls training; only for a reward that must run in the main thread, e.g. one that sets signal
     handlers)."""
 
-    @model_validator(mode="after")
-    def _positive_timeout(self):
-        if isinstance(self.timeout_s, float) and not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, null or auto (got {self.timeout_s:g})")
-        return self
-
 
 class CrossCheckConfig(_Section):
     primary: str
     """The reward whose scores are checked (one of `rewards`)."""
-    checker: str = "math_accuracy_alt"
+    checker: RewardName = "math_accuracy_alt"
     """An independent checker: a registered reward name."""
     fraction: float = Field(0.1, ge=0, le=1)
     """Share of completions checked each step."""
@@ -249,16 +302,10 @@ class CrossCheckConfig(_Section):
     """Arguments for the checker (default: the primary's arguments it accepts)."""
     tol: float = Field(1e-6, ge=0)
     """Checker and primary scores further apart than this disagree."""
-    timeout_s: float | None | Literal["auto"] = "auto"
+    timeout_s: TimeoutS = "auto"
     """Time budget in seconds for one checker call (over it the checked samples count in
     `reward/checker/errors`); `auto`: 300 s, or no budget for a checker with its own per-sample
     limits (math_accuracy_alt); `null`: no budget."""
-
-    @model_validator(mode="after")
-    def _positive_timeout(self):
-        if isinstance(self.timeout_s, float) and not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, null or auto (got {self.timeout_s:g})")
-        return self
 
 
 class OptimConfig(_Section):
@@ -365,7 +412,7 @@ class Config(_Section):
     """Sampling."""
     algorithm: AlgorithmConfig = AlgorithmConfig()
     """Advantages, loss and KL."""
-    rewards: list[RewardSpecConfig] = [RewardSpecConfig(name="math_accuracy")]
+    rewards: list[RewardSpecConfig] = Field(default_factory=lambda: [RewardSpecConfig(name="math_accuracy")])
     """Reward functions, summed with their weights. The first one decides pass / fail."""
     crosscheck: CrossCheckConfig | None = None
     """A second, independent checker on a fraction of samples; disagreements go to
@@ -394,8 +441,14 @@ class Config(_Section):
             raise ValueError("rollout.batch_size must be divisible by algorithm.mini_batches")
         if not self.rewards:
             raise ValueError("rewards: at least one reward function is needed")
-        if self.crosscheck is not None and self.crosscheck.primary not in {r.name for r in self.rewards}:
-            raise ValueError(f"crosscheck.primary '{self.crosscheck.primary}' is not one of the rewards")
+        names = [r.name for r in self.rewards]
+        if self.crosscheck is not None and self.crosscheck.primary not in names:
+            raise ValueError(f"crosscheck.primary '{self.crosscheck.primary}' is not one of the rewards "
+                             f"({', '.join(names)}){did_you_mean(self.crosscheck.primary, names)}")
+        fmt = self.algorithm.sample_filter.format_reward
+        if fmt is not None and fmt not in names:
+            raise ValueError(f"algorithm.sample_filter.format_reward '{fmt}' is not one of the rewards "
+                             f"({', '.join(names)}){did_you_mean(fmt, names)}")
         if self.algorithm.dual_clip is not None and self.algorithm.dual_clip <= 1:
             raise ValueError("algorithm.dual_clip must be > 1")
         if self.lora.load_in_4bit and not self.lora.enabled:
@@ -425,12 +478,12 @@ def _valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 
 def _suggest(key: str) -> str:
-    close = difflib.get_close_matches(key, _valid_keys(Config), n=1, cutoff=0.6)
-    if not close:  # compare leaf names too: "algorithm.eps_hgh" -> "algorithm.eps_high"
+    hit = closest(key, _valid_keys(Config))
+    if hit is None:  # compare leaf names too: "algorithm.eps_hgh" -> "algorithm.eps_high"
         leafs = {k.rsplit(".", 1)[-1]: k for k in _valid_keys(Config)}
-        hit = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(leafs), n=1, cutoff=0.7)
-        close = [leafs[hit[0]]] if hit else []
-    return f" (did you mean '{close[0]}'?)" if close else ""
+        leaf = closest(key.rsplit(".", 1)[-1], leafs, cutoff=0.7)
+        hit = leafs[leaf] if leaf is not None else None
+    return f" (did you mean '{hit}'?)" if hit is not None else ""
 
 
 def _format_error(err: ValidationError) -> str:
@@ -442,7 +495,8 @@ def _format_error(err: ValidationError) -> str:
     if not loc:
         return msg
     got = e.get("input")
-    got = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
+    named = "(got " in msg or (isinstance(got, str) and repr(got) in msg)   # the value is named already
+    got = "" if isinstance(got, (dict, list)) or named else f" (got {got!r})"
     return f"config key '{loc}': {msg}{got}"
 
 
@@ -462,8 +516,8 @@ def resolve_preset(name_or_path: str) -> Path:
     if bundled.is_file():
         return bundled
     names = sorted(f.stem for f in PRESET_DIR.glob("*.yaml"))
-    close = difflib.get_close_matches(p.stem, names, n=1)
-    hint = f" (did you mean preset '{close[0]}'?)" if close else f"; bundled presets: {', '.join(names)}"
+    close = closest(p.stem, names)
+    hint = f" (did you mean preset '{close}'?)" if close else f"; bundled presets: {', '.join(names)}"
     raise ConfigError(f"config file not found: {name_or_path}{hint}")
 
 
@@ -506,18 +560,30 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 def load_config(paths: list[str] | str | None = None, overrides: list[str] | None = None) -> Config:
     """Merge YAML files (or preset names) left to right, apply `key=value` overrides, validate."""
-    data: dict = {}
-    for p in [paths] if isinstance(paths, str) else (paths or []):
-        data = _deep_merge(data, _read_yaml(resolve_preset(p)))
+    data = read_configs(paths)
     for item in overrides or []:
         keys, value = parse_override(item)
-        node = data
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override '{item}': '{k}' is not a section")
-        node[keys[-1]] = value
+        set_key(data, keys, value, f"override '{item}'")
     return config_from_dict(data)
+
+
+def read_configs(paths: list[str] | str | None) -> dict:
+    """The YAML files (or preset names) merged left to right, as a plain mapping (not validated)."""
+    data: dict = {}
+    for p in [paths] if isinstance(paths, str) else (paths or []):
+        data = _deep_merge(data, _read_yaml(resolve_preset(str(p))))
+    return data
+
+
+def set_key(data: dict, keys: list[str], value: Any, what: str) -> None:
+    """Set `keys` (a dotted key split at the dots) in the nested dict `data`, creating sections on
+    the way; `what` names the override in the error when a key on the way is not a section."""
+    node = data
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{what}: '{k}' is not a section")
+    node[keys[-1]] = value
 
 
 def config_from_dict(data: dict) -> Config:

@@ -103,3 +103,95 @@ def test_the_code_preset_and_its_stacking_with_dapo():
     both = load_config(["code", "dapo_wide_clip"])                      # later files win
     assert (both.rollout.group_size, both.rewards[0].name) == (32, "code_tests")
     assert both.algorithm.eps_high == 2.0 and both.rollout.dynamic_sampling and both.algorithm.kl.beta == 0.0
+
+
+# ----------------------------------------------------------------------- registered names
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("algorithm.advantage=grpoo", "unknown advantage estimator 'grpoo'; did you mean 'grpo'?"),
+    ("algorithm.loss_agg=token_men", "unknown loss aggregation 'token_men'; did you mean 'token_mean'?"),
+    ("algorithm.kl.estimator=k3is", "unknown KL estimator 'k3is'; did you mean 'k3_is'?"),
+    ("algorithm.kl.controller=adaptve", "unknown KL controller 'adaptve'; did you mean 'adaptive'?"),
+    ("rollout.engine=hff", "unknown rollout engine 'hff'; did you mean 'hf'?"),
+    ("rewards=[{name: exact_mach}]", "unknown reward 'exact_mach'; did you mean 'exact_match'?"),
+    ("crosscheck={primary: math_accuracy, checker: math_acuracy_alt}", "did you mean 'math_accuracy_alt'?"),
+])
+def test_misspelled_registered_name_is_one_line_with_the_closest_and_the_valid_names(override, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    msg = str(err.value)
+    assert fragment in msg and "\n" not in msg
+    assert "(known: " in msg or "(registered: " in msg        # the valid names are listed
+    assert msg.startswith("config key '")                      # and the key is named
+
+
+def test_a_user_registered_advantage_estimator_is_usable_from_yaml(tmp_path):
+    import torch
+
+    from grpokit.algo import ESTIMATORS, compute_advantages, register_estimator
+    from grpokit.config import config_from_dict
+
+    with pytest.raises(ConfigError, match="unknown advantage estimator 'centered'"):
+        config_from_dict({"algorithm": {"advantage": "centered"}})  # not registered yet
+
+    def centered(rewards, cells, *, eps, lengths=None):
+        return rewards - rewards.mean()
+
+    register_estimator("centered", centered)
+    try:
+        cfg_file = tmp_path / "run.yaml"
+        cfg_file.write_text("base: grpo\nalgorithm:\n  advantage: centered\n")
+        cfg = load_config(str(cfg_file))
+        assert cfg.algorithm.advantage == "centered"
+        assert config_from_dict({"algorithm": {"advantage": "centered"}}).algorithm.advantage == "centered"
+        adv = compute_advantages(cfg.algorithm.advantage, torch.tensor([1.0, 3.0]), 2)
+        assert adv.tolist() == [-1.0, 1.0]
+    finally:
+        del ESTIMATORS["centered"]
+
+
+def test_user_registered_engine_and_controller_are_accepted():
+    from grpokit.algo import CONTROLLERS, register_controller
+    from grpokit.algo.control import FixedKL
+    from grpokit.rollout import ENGINES, get_engine, register_engine
+
+    register_engine("mine", lambda model, tokenizer, **kw: ("engine", model, tokenizer))
+    register_controller("mine", FixedKL)
+    try:
+        cfg = load_config(None, ["rollout.engine=mine", "algorithm.kl.controller=mine"])
+        assert cfg.rollout.engine == "mine" and cfg.algorithm.kl.controller == "mine"
+        assert get_engine("mine")("m", "t") == ("engine", "m", "t")
+        with pytest.raises(ValueError, match="did you mean 'mine'"):
+            get_engine("mien")
+    finally:
+        del ENGINES["mine"], CONTROLLERS["mine"]
+
+
+def test_engine_registry_imports_nothing_heavy():
+    code = ("import sys, grpokit.rollout as r; assert 'hf' in r.ENGINES and callable(r.get_engine('hf')); "
+            "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("algorithm.sample_filter.format_reward=boxed_fromat",
+     "format_reward 'boxed_fromat' is not one of the rewards (exact_match, boxed_format); did you mean 'boxed_format'?"),
+    ("crosscheck={primary: exact_mach}", "crosscheck.primary 'exact_mach' is not one of the rewards"),
+])
+def test_reward_references_must_name_one_of_the_rewards(override, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["rewards=[{name: exact_match}, {name: boxed_format}]", override])
+    assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("section", ["rewards=[{name: exact_match, timeout_s: %s}]",
+                                     "crosscheck={primary: math_accuracy, timeout_s: %s}"])
+def test_timeout_s_is_validated_alike_in_both_sections(section):
+    for bad in ("0", "-1", ".inf", "soon"):
+        with pytest.raises(ConfigError, match="timeout_s"):
+            load_config(None, [section % bad])
+    for good, want in (("2", 2.0), ("null", None), ("auto", "auto")):
+        cfg = load_config(None, [section % good])
+        got = cfg.rewards[0].timeout_s if section.startswith("rewards") else cfg.crosscheck.timeout_s
+        assert got == want

@@ -9,7 +9,7 @@ See docs/algorithms.md for the formulas, their sources and where we deviate.
 from grpokit.algo import advantages, control, kl, loss
 from grpokit.algo.advantages import ESTIMATORS, quantile_edges, register_estimator
 from grpokit.algo.advantages import compute as compute_advantages
-from grpokit.algo.control import CONTROLLERS, KLController, build_controller
+from grpokit.algo.control import CONTROLLERS, KLController, build_controller, register_controller
 from grpokit.algo.kl import KINDS as KL_KINDS
 from grpokit.algo.kl import estimate as estimate_kl
 from grpokit.algo.kl import kl_in_reward
@@ -32,5 +32,6 @@ __all__ = [
     "loss",
     "policy_loss",
     "quantile_edges",
+    "register_controller",
     "register_estimator",
 ]

@@ -28,6 +28,7 @@ __all__ = [
     "WarmupKL",
     "ZieglerKL",
     "build_controller",
+    "register_controller",
 ]
 
 
@@ -340,6 +341,20 @@ class ScheduleKL(_Scaled):
 CONTROLLERS: dict[str, type] = {
     c.kind: c for c in (FixedKL, AdaptiveKL, ZieglerKL, WarmupKL, ScheduleKL)
 }
+
+
+def register_controller(name: str, cls: type | None = None, *, overwrite: bool = False):
+    """Register a controller class under ``name`` (also a decorator). ``cls(beta=..., **args)``
+    must build a ``KLController``; config selects it with ``algorithm.kl.controller: name`` and
+    passes ``algorithm.kl.controller_args`` as its arguments."""
+
+    def _add(c: type) -> type:
+        if name in CONTROLLERS and CONTROLLERS[name] is not c and not overwrite:
+            raise ValueError(f"KL controller {name!r} is already registered")
+        CONTROLLERS[name] = c
+        return c
+
+    return _add if cls is None else _add(cls)
 
 
 def build_controller(kind: str, **kwargs: Any) -> KLController:

@@ -95,10 +95,21 @@ def load_prompts(path: str | Path, *, prompt_field: str = "prompt", answer_field
         raw = [(f"{p} item {i + 1}", r) for i, r in enumerate(data)]
     else:
         raise DataError(f"{p}: unsupported dataset format (use .jsonl, .json, .parquet or a saved datasets dir)")
+    return _checked(raw, str(p), prompt_field, answer_field)
+
+
+def prompts_from_rows(rows, *, source: str = "dataset", prompt_field: str = "prompt",
+                      answer_field: str = "answer") -> PromptDataset:
+    """Prompts from rows already in memory (dicts, e.g. a list or a `datasets.Dataset`), checked and
+    normalised like a file's rows; errors name the row as `<source> row N`."""
+    return _checked([(f"{source} row {i + 1}", r) for i, r in enumerate(rows)], source, prompt_field, answer_field)
+
+
+def _checked(raw: list[tuple[str, object]], source: str, prompt_field: str, answer_field: str) -> PromptDataset:
     rows = [_check_row(r, where, prompt_field, answer_field) for where, r in raw]
     if not rows:
-        raise DataError(f"{p}: the dataset is empty")
-    return PromptDataset(rows, str(p))
+        raise DataError(f"{source}: the dataset is empty")
+    return PromptDataset(rows, source)
 
 
 @dataclass

@@ -15,7 +15,6 @@ and says whether an alarm configured ``stop`` has fired.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import math
 import os
@@ -27,6 +26,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from grpokit._names import did_you_mean
 from grpokit.monitor.sinks import truncate_jsonl
 
 Action = Literal["warn", "stop", "off"]
@@ -78,8 +78,7 @@ class _Strict(BaseModel):
             valid = list(cls.model_fields)
             for key in data:
                 if key not in valid:
-                    close = difflib.get_close_matches(str(key), valid, n=1)
-                    hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {valid}"
+                    hint = did_you_mean(key, valid) or f"; valid keys: {valid}"
                     raise ValueError(f"unknown key {key!r} in {cls.__name__}{hint}")
         return data
 

@@ -27,10 +27,10 @@ from .code import CodeResult, extract_code, run_tests, run_tests_batch
 from .compose import CrossCheck, RewardOutput, RewardSet, RewardSpec, check_args
 from .math import verify
 from .penalties import is_truncated
-from .registry import REGISTRY, RewardFn, get, register
+from .registry import REGISTRY, RewardFn, get, read_column, register
 
 __all__ = [
-    "REGISTRY", "RewardFn", "register", "get",
+    "REGISTRY", "RewardFn", "register", "get", "read_column",
     "RewardSpec", "RewardSet", "RewardOutput", "CrossCheck", "check_args",
     "verify", "run_tests", "run_tests_batch", "CodeResult", "extract_code", "is_truncated",
 ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import re
 
-from .registry import register
+from .registry import read_column, register
 
 _NUM = re.compile(r"[-\u2212]?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d+)?(?:[eE][-+]?\d+)?")
 
@@ -33,19 +33,10 @@ def last_number(text: str) -> float | None:
         return None
 
 
-def _answers(name: str, column: str, columns: dict, n: int) -> list:
-    if column not in columns:
-        raise KeyError(f"{name} needs the dataset column {column!r} (have: {sorted(columns)})")
-    vals = list(columns[column])
-    if len(vals) != n:
-        raise ValueError(f"{name}: column {column!r} has {len(vals)} entries for {n} completions")
-    return vals
-
-
 @register("exact_match")
 def exact_match(prompts, completions, *, answer_column: str = "answer", **columns) -> list[float | None]:
     """1.0 if the stripped completion equals the stripped answer, else 0.0 (None: no answer)."""
-    answers = _answers("exact_match", answer_column, columns, len(completions))
+    answers = read_column("exact_match", answer_column, columns, len(completions))
     return [None if a is None else float(str(c).strip() == str(a).strip()) for c, a in zip(completions, answers)]
 
 
@@ -54,7 +45,7 @@ def numeric_match(prompts, completions, *, answer_column: str = "answer", rel_to
                   **columns) -> list[float | None]:
     """1.0 if the last number in the completion equals the answer within `rel_tol`, else 0.0
     (None: the answer is missing or not a number)."""
-    answers = _answers("numeric_match", answer_column, columns, len(completions))
+    answers = read_column("numeric_match", answer_column, columns, len(completions))
     out: list[float | None] = []
     for c, a in zip(completions, answers):
         ref = last_number(str(a)) if a is not None and not isinstance(a, (int, float)) else a
@@ -72,7 +63,7 @@ def digit_match(prompts, completions, *, answer_column: str = "answer", **column
     position by position (right-aligned, like digits of a number), minus the same fraction for
     extra characters: max(0, (matches - extra) / len(answer)). 1.0 only for an exact match.
     Used by the benchmark so that groups have non-zero reward variance."""
-    answers = _answers("digit_match", answer_column, columns, len(completions))
+    answers = read_column("digit_match", answer_column, columns, len(completions))
     out: list[float | None] = []
     for c, a in zip(completions, answers):
         if a is None or not str(a).strip():

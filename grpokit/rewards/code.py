@@ -36,7 +36,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 from ._sandbox import CodeResult, Isolation, isolation, run_job, set_isolation  # noqa: F401
-from .registry import register
+from .registry import read_column, register
 
 _OPEN = re.compile(r"[ \t]*```[ \t]*([A-Za-z0-9_+-]*)")
 _CLOSE = re.compile(r"[ \t]*```[ \t]*")
@@ -126,11 +126,7 @@ def code_tests(prompts, completions, *, tests_column: str = "tests", all_or_noth
     was not plain data) counts as failed, and a test set without such tests scores None.
     objects_in_sandbox: see `run_tests` (off: a value of the program's own class fails its test).
     """
-    if tests_column not in columns:
-        raise KeyError(f"code_tests needs the dataset column {tests_column!r} (have: {sorted(columns)})")
-    tests = list(columns[tests_column])
-    if len(tests) != len(completions):
-        raise ValueError(f"code_tests: column {tests_column!r} has {len(tests)} entries for {len(completions)} completions")
+    tests = read_column("code_tests", tests_column, columns, len(completions))
     programs = [extract_code(c) for c in completions]
     todo = [i for i, (p, t) in enumerate(zip(programs, tests)) if p is not None and t is not None]
     results = run_tests_batch([programs[i] for i in todo], [tests[i] for i in todo], max_workers=max_workers,

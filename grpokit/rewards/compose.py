@@ -35,7 +35,6 @@ Metrics (all floats, per `score` call):
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import json
 import logging
@@ -47,9 +46,11 @@ import sys
 import threading
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Annotated, Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
+
+from grpokit._names import did_you_mean
 
 from .registry import get
 
@@ -72,17 +73,19 @@ def resolve_timeout(timeout_s, fn) -> float | None:
     return timeout_s
 
 
-def _check_timeout(v):
+def check_timeout(v):
+    """The one validator of a `timeout_s` setting (reward specs, cross-checks, their config
+    sections): a finite number > 0 (returned as a float), None (no budget) or "auto"."""
     if v is None or v == AUTO:
         return v
-    if isinstance(v, str) or not isinstance(v, numbers.Real) or not v > 0:
-        raise ValueError(f"timeout_s must be > 0, null or 'auto', got {v!r}")
+    if isinstance(v, (str, bool)) or not isinstance(v, numbers.Real) or not (math.isfinite(v) and v > 0):
+        raise ValueError(f"timeout_s must be a number > 0, null or 'auto' (got {v!r})")
     return float(v)
 
 
-def _suggest(word: str, options) -> str:
-    close = difflib.get_close_matches(str(word), list(options), n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""
+TimeoutS = Annotated[float | None | Literal["auto"], AfterValidator(check_timeout)]
+"""A `timeout_s` field: validated by `check_timeout`, resolved against the function by
+`resolve_timeout`."""
 
 
 class RewardSpec(BaseModel):
@@ -96,7 +99,7 @@ class RewardSpec(BaseModel):
     """Multiplier in the total; 0 keeps it as a logged metric only."""
     args: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments bound to the reward function."""
-    timeout_s: float | None | Literal["auto"] = AUTO
+    timeout_s: TimeoutS = AUTO
     """Time budget of one call (all samples of the batch), in seconds; None: no budget (the
     reward then runs in the caller's thread, so a reward that hangs stalls training); "auto":
     `DEFAULT_TIMEOUT_S`, or no budget for a reward registered with `own_time_limit=True`."""
@@ -107,7 +110,7 @@ class RewardSpec(BaseModel):
         if isinstance(data, dict):
             for key in data:
                 if key not in cls.model_fields:
-                    raise ValueError(f"unknown key {key!r} in a reward spec{_suggest(key, cls.model_fields)}")
+                    raise ValueError(f"unknown key {key!r} in a reward spec{did_you_mean(key, cls.model_fields)}")
         return data
 
     @field_validator("weight")
@@ -117,12 +120,6 @@ class RewardSpec(BaseModel):
             raise ValueError("weight must be finite")
         return v
 
-    @field_validator("timeout_s")
-    @classmethod
-    def _positive(cls, v):
-        if v is not None and v != AUTO and not v > 0:
-            raise ValueError("timeout_s must be > 0")
-        return v
 
 
 @dataclass
@@ -150,7 +147,7 @@ class CrossCheck:
     def __post_init__(self):
         if not 0.0 <= self.fraction <= 1.0:
             raise ValueError(f"CrossCheck.fraction must be in [0, 1], got {self.fraction}")
-        self.timeout_s = _check_timeout(self.timeout_s)
+        self.timeout_s = check_timeout(self.timeout_s)
 
 
 @dataclass
@@ -176,7 +173,7 @@ def check_args(name: str, fn, args: dict) -> dict:
     out = {}
     for key, val in args.items():
         if key not in params:
-            raise ValueError(f"reward {name!r} has no argument {key!r}{_suggest(key, params)} "
+            raise ValueError(f"reward {name!r} has no argument {key!r}{did_you_mean(key, params)} "
                              f"(arguments: {', '.join(sorted(params)) or 'none'})")
         ann = params[key].annotation
         if ann is inspect.Parameter.empty or ann is Any or isinstance(ann, str):
@@ -231,12 +228,12 @@ class RewardSet:
             unknown = set(crosscheck) - set(CrossCheck.__dataclass_fields__)
             if unknown:
                 k = sorted(unknown)[0]
-                raise ValueError(f"unknown key {k!r} in crosscheck{_suggest(k, CrossCheck.__dataclass_fields__)}")
+                raise ValueError(f"unknown key {k!r} in crosscheck{did_you_mean(k, CrossCheck.__dataclass_fields__)}")
             crosscheck = CrossCheck(**crosscheck)
         if crosscheck is not None:
             if crosscheck.primary not in names:
                 raise ValueError(f"crosscheck.primary {crosscheck.primary!r} is not among the rewards "
-                                 f"{names}{_suggest(crosscheck.primary, names)}")
+                                 f"{names}{did_you_mean(crosscheck.primary, names)}")
             checker_fn = get(crosscheck.checker) if isinstance(crosscheck.checker, str) else crosscheck.checker
             if not callable(checker_fn):
                 raise ValueError("crosscheck.checker must be a reward name or a callable")

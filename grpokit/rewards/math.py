@@ -34,7 +34,7 @@ from . import _mathalt as alt
 from . import _mathcore as core
 from ._mathcore import Extraction, extract_answer  # noqa: F401 - public helpers
 from ._workers import WorkerError, WorkerPool
-from .registry import register
+from .registry import read_column, register
 
 DEFAULT_TIMEOUT_S = 1.5  # the issue's limit is 2 s; the rest is margin for the kill and a slow machine
 
@@ -175,20 +175,11 @@ def _batch(fn, completions, refs, timeout_s) -> list[float | None]:
     return [None if r is None else float(r) for r in res]
 
 
-def _refs(name: str, column: str, columns: dict, n: int) -> list:
-    if column not in columns:
-        raise KeyError(f"{name} needs the dataset column {column!r} (have: {sorted(columns)})")
-    refs = list(columns[column])
-    if len(refs) != n:
-        raise ValueError(f"{name}: column {column!r} has {len(refs)} entries for {n} completions")
-    return refs
-
-
 @register("math_accuracy", own_time_limit=True)
 def math_accuracy(prompts, completions, *, answer_column: str = "answer",
                   timeout_s: float = DEFAULT_TIMEOUT_S, **columns) -> list[float | None]:
     """1.0 if the completion's final answer is equivalent to the reference, else 0.0."""
-    refs = _refs("math_accuracy", answer_column, columns, len(completions))
+    refs = read_column("math_accuracy", answer_column, columns, len(completions))
     return _batch(judge, completions, refs, timeout_s)
 
 
@@ -196,5 +187,5 @@ def math_accuracy(prompts, completions, *, answer_column: str = "answer",
 def math_accuracy_alt(prompts, completions, *, answer_column: str = "answer",
                       timeout_s: float = DEFAULT_TIMEOUT_S, **columns) -> list[float | None]:
     """Independent second checker for `CrossCheck` (see the module docstring)."""
-    refs = _refs("math_accuracy_alt", answer_column, columns, len(completions))
+    refs = read_column("math_accuracy_alt", answer_column, columns, len(completions))
     return _batch(judge_alt, completions, refs, timeout_s)

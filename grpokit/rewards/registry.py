@@ -12,8 +12,12 @@ extra keyword arguments. Every reward must accept and ignore columns it does not
 
 from __future__ import annotations
 
-import difflib
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Callable, Protocol
+
+from grpokit._names import lookup
 
 
 class RewardFn(Protocol):
@@ -44,11 +48,45 @@ def register(name: str, *, own_time_limit: bool = False):
     return deco
 
 
+_SCOPED = threading.RLock()
+
+
+@contextmanager
+def registered_while(rewards: Sequence[tuple[str, Callable[..., list]]]) -> Iterator[list[str]]:
+    """Register each `(name, fn)` for the duration of the block only; yields the names used: `name`,
+    or `name_2`, `name_3`, ... when it is taken by another function (a function registered under
+    `name` already keeps it). Such blocks run one at a time, so none sees another's names, and the
+    registry is as before once the block ends."""
+    with _SCOPED:
+        names, added = [], []
+        try:
+            for name, fn in rewards:
+                used, k = name, 1
+                while used in REGISTRY and REGISTRY[used] is not fn:
+                    k += 1
+                    used = f"{name}_{k}"
+                if used not in REGISTRY:
+                    register(used, own_time_limit=getattr(fn, "own_time_limit", False))(fn)
+                    added.append(used)
+                names.append(used)
+            yield names
+        finally:
+            for name in added:
+                REGISTRY.pop(name, None)
+
+
 def get(name: str) -> Callable[..., list]:
     """The registered reward `name`; ValueError naming it and the closest registered name."""
-    try:
-        return REGISTRY[name]
-    except (KeyError, TypeError):
-        close = difflib.get_close_matches(str(name), list(REGISTRY), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown reward {name!r}{hint} (registered: {', '.join(sorted(REGISTRY))})") from None
+    return lookup(REGISTRY, name, "reward", listing="registered")
+
+
+def read_column(reward: str, column: str, columns: dict, n: int) -> list:
+    """The dataset column `column` from a reward's `columns`, checked to hold one value per
+    completion: KeyError naming the missing column and the ones present, ValueError on a length
+    mismatch. Every reward that reads a column (the reference answer, the tests) uses this."""
+    if column not in columns:
+        raise KeyError(f"{reward} needs the dataset column {column!r} (have: {sorted(columns)})")
+    vals = list(columns[column])
+    if len(vals) != n:
+        raise ValueError(f"{reward}: column {column!r} has {len(vals)} entries for {n} completions")
+    return vals

@@ -1,7 +1,9 @@
-"""Rollout engines by name: `rollout.engine` in the config selects one.
+"""Rollout engines by name: `rollout.engine` in config names a factory registered here.
 
-A factory takes (policy, tokenizer, cfg) and returns a `grpokit.rollout.base.RolloutEngine`.
-Register your own with `register_engine("name", factory)` before the config is validated.
+A factory is called as `factory(model, tokenizer, **options)` and returns a
+`grpokit.rollout.base.RolloutEngine`. Register your own with `register_engine("name", factory)`
+before the config is validated. This module imports nothing heavy: a factory imports its engine
+when it is called.
 """
 
 from __future__ import annotations
@@ -11,58 +13,65 @@ from typing import Any, Callable
 
 from grpokit._names import lookup
 
+__all__ = ["ENGINES", "EngineFactory", "build_engine", "get_engine", "register_engine"]
+
 EngineFactory = Callable[..., Any]
 ENGINES: dict[str, EngineFactory] = {}
 
 
 def register_engine(name: str, factory: EngineFactory | None = None, *, overwrite: bool = False):
-    """Add an engine factory `factory(policy, tokenizer, cfg) -> RolloutEngine`; usable as a decorator."""
+    """Register `factory(model, tokenizer, **options) -> engine` under `name` (also a decorator)."""
+
     def _add(f: EngineFactory) -> EngineFactory:
-        if name in ENGINES and not overwrite:
+        if name in ENGINES and ENGINES[name] is not f and not overwrite:
             raise ValueError(f"rollout engine {name!r} is already registered")
         ENGINES[name] = f
         return f
-    return _add(factory) if factory is not None else _add
+
+    return _add if factory is None else _add(factory)
 
 
 def get_engine(name: str) -> EngineFactory:
-    return lookup(ENGINES, name, "rollout engine")
+    """The factory registered as `name`; ValueError naming the closest registered name."""
+    return lookup(ENGINES, name, "rollout engine", listing="registered")
 
 
-def build_engine(name: str, policy, tokenizer, cfg=None):
-    return get_engine(name)(policy, tokenizer, cfg)
+def build_engine(name: str, model, tokenizer, **options):
+    """The engine `name` over `model` (the policy)."""
+    return get_engine(name)(model, tokenizer, **options)
 
 
-def _hf(policy, tokenizer, cfg=None):
-    """transformers, in-process, sampling with the policy module itself (no weight sync)."""
+@register_engine("hf")
+def _hf(model, tokenizer, **options):
+    """In-process generation with the transformers model itself (`grpokit.rollout.hf.HFEngine`):
+    no weight sync, the sampler is the trainer."""
     from grpokit.rollout.hf import HFEngine
-    return HFEngine(policy, tokenizer)
+
+    return HFEngine(model, tokenizer)
 
 
-def _hf_copy(policy, tokenizer, cfg=None):
-    """transformers, in-process, over its own frozen copy of the weights, refreshed from the
-    trainer after every optimizer step: the decoupled-engine path (weight sync, pi_old
-    recomputed, importance correction) without another process. A LoRA policy's copy is a plain
-    model holding the merged weights."""
+@register_engine("hf_copy")
+def _hf_copy(model, tokenizer, **options):
+    """In-process generation over the engine's own frozen copy of the weights, refreshed from the
+    trainer after every optimizer step: the decoupled-engine path (weight sync, pi_old recomputed,
+    importance correction) without another process. A LoRA policy's copy is a plain model holding
+    the merged weights."""
     from grpokit.rollout.hf import HFEngine
-    if hasattr(policy, "get_base_model"):           # PEFT: a plain model of the base's architecture
+
+    if hasattr(model, "get_base_model"):            # PEFT: a plain model of the base's architecture
         from transformers import AutoModelForCausalLM
 
         from grpokit.train.lora import merged_state_dict
-        config = copy.deepcopy(policy.get_base_model().config)
+        config = copy.deepcopy(model.get_base_model().config)
         if hasattr(config, "quantization_config"):
             del config.quantization_config
-        merged = merged_state_dict(policy)
-        model = AutoModelForCausalLM.from_config(config, dtype=next(iter(merged.values())).dtype)
-        model.load_state_dict(merged, strict=False)   # a tied LM head is not in the merged dict
-        model.to(next(policy.parameters()).device)
+        merged = merged_state_dict(model)
+        own = AutoModelForCausalLM.from_config(config, dtype=next(iter(merged.values())).dtype)
+        own.load_state_dict(merged, strict=False)     # a tied LM head is not in the merged dict
+        own.to(next(model.parameters()).device)
     else:
-        model = copy.deepcopy(policy)
-    model.eval()
-    for p in model.parameters():
+        own = copy.deepcopy(model)
+    own.eval()
+    for p in own.parameters():
         p.requires_grad_(False)
-    return HFEngine(model, tokenizer, owns_weights=True)
-
-
-register_engine("hf", _hf)
-register_engine("hf_copy", _hf_copy)
+    return HFEngine(own, tokenizer, owns_weights=True)

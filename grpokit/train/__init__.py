@@ -53,7 +53,10 @@ def kl_target_high(cfg) -> float | None:
     return None
 
 
-def build_trainer(cfg, *, model=None, tokenizer=None, health=True):
+def build_trainer(cfg, *, model=None, tokenizer=None, health=True, dataset=None, eval_dataset=None):
+    """A ready Trainer for `cfg`. `model` / `tokenizer`: already loaded ones instead of `model.path`'s;
+    `dataset` / `eval_dataset`: `PromptDataset`s (grpokit.data.datasets) instead of `data.path` /
+    `data.eval_path`'s."""
     from grpokit.data.datasets import load_prompts
     from grpokit.train.build import build_policy, load_tokenizer
     from grpokit.train.loop import Trainer
@@ -65,8 +68,9 @@ def build_trainer(cfg, *, model=None, tokenizer=None, health=True):
     # the policy (LoRA / QLoRA when lora.enabled) and its reference (grpokit.train.reference), or None
     model, reference = build_policy(cfg, model)
     d = cfg.data
-    dataset = load_prompts(d.path, prompt_field=d.prompt_field, answer_field=d.answer_field)
-    eval_ds = load_prompts(d.eval_path, prompt_field=d.prompt_field, answer_field=d.answer_field) if d.eval_path else None
+    dataset = dataset if dataset is not None else load_prompts(d.path, prompt_field=d.prompt_field, answer_field=d.answer_field)
+    eval_ds = eval_dataset if eval_dataset is not None else (
+        load_prompts(d.eval_path, prompt_field=d.prompt_field, answer_field=d.answer_field) if d.eval_path else None)
     sample = [r["prompt"] for r in dataset.rows[:8] if isinstance(r["prompt"], str)]
     check_round_trip(tokenizer, sample)
     rewards = build_rewards(cfg)

@@ -195,6 +195,7 @@ def probe_data(root: Path) -> Path:
 
 
 def case_overrides(case: ProbeCase, model_dir: Path, data: Path, run_dir: Path) -> list[str]:
+    _register_coin()                     # the overrides name it: registered before a config is built
     kv = {**BASE, "model.path": model_dir, "data.path": data, "train.run_dir": run_dir, **case.overrides}
     if kv.get("lora.enabled"):
         kv.setdefault("optim.lr", 1e-4)

@@ -222,7 +222,7 @@ def test_rewards_have_a_time_budget_by_default(temp_rewards):
     assert DEFAULT_TIMEOUT_S == 300.0
     # "auto": DEFAULT_TIMEOUT_S, except for a reward that declares its own per-sample limits
     assert RewardSpec(name="x").timeout_s == "auto"
-    assert RewardSpecConfig(name="x").timeout_s == "auto"  # the config says the same
+    assert RewardSpecConfig(name="exact_match").timeout_s == "auto"  # the config says the same
     assert CrossCheck(primary="x", checker="y").timeout_s == "auto"
     assert CrossCheckConfig(primary="x").timeout_s == "auto"
     # a reward from the config, with no timeout_s given, runs under the default budget ...

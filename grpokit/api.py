@@ -1,0 +1,307 @@
+"""`grpokit.GRPO`: the trainer as one object, for use from Python.
+
+    import grpokit
+
+    def correct(prompts, completions, answer, **columns):     # one score per completion
+        return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+    grpo = grpokit.GRPO(model="./my-qwen", rewards=[correct, ("numeric_match", 0.5)],
+                        dataset="prompts.jsonl", config="grpo", overrides={"train.steps": 100})
+    metrics = grpo.train()
+
+It is `grpokit train` with Python objects in place of files and names:
+
+- `model`: a local model directory, or a loaded transformers model (then `tokenizer=`, or the
+  tokenizer saved in the model's own directory).
+- `rewards`: a list of reward functions, registered reward names, `(function or name, weight)` pairs
+  or spec dicts (`{"name": ..., "weight": ..., "args": {...}}`). The first decides pass / fail. A
+  function is called as `fn(prompts=..., completions=..., **columns)` when it has a parameter named
+  `completions` (TRL's convention: `def f(completions, **kwargs)`), else as
+  `fn(prompts, completions, **columns)` (grpokit's); it gets only the columns it names unless it
+  takes `**kwargs`. It is registered under its own name (`name_2`, ... on a clash) only while the
+  trainer is built, so its metrics are `reward/<name>/...` and the global registry is left as it was.
+- `dataset` / `eval_dataset`: a list of dicts, a JSONL / JSON / Parquet path, a saved `datasets`
+  directory or a `datasets.Dataset`; rows need `prompt` (`data.prompt_field`), usually `answer`;
+  every other column reaches the rewards.
+- `config`: a `Config`, a dict, a preset name or a YAML path (or a list of them, merged left to
+  right); `overrides`: dotted keys, e.g. `{"train.steps": 5, "rollout.group_size": 8}`, applied last.
+
+Bad input is a one-line `ConfigError` / `DataError` (both `ValueError`s) when the object is built.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping
+from numbers import Real
+from typing import Any
+
+from grpokit.config import Config, ConfigError, config_from_dict, read_configs, set_key
+from grpokit.data.datasets import DataError, PromptDataset, load_prompts, prompts_from_rows
+from grpokit.rewards import REGISTRY, get
+from grpokit.rewards.registry import registered_while
+
+__all__ = ["GRPO"]
+
+PASSED_COLUMNS = ("completion_length", "finish_reason", "group_id", "max_new_tokens")
+"""Columns the trainer adds to every dataset row's columns when it calls a reward."""
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+class GRPO:
+    """GRPO-family training from Python objects (see the module docstring). Building it loads the
+    model and the prompts and checks everything; `train()` runs, `evaluate()` scores held-out prompts.
+
+    Attributes: `config` (the validated `Config`), `trainer` (the `grpokit.train.loop.Trainer`),
+    `reward_names` (the names the rewards are logged under, in order).
+    """
+
+    def __init__(self, model: Any = None, rewards: Any = None, dataset: Any = None, config: Any = None, *,
+                 eval_dataset: Any = None, tokenizer: Any = None, overrides: Mapping[str, Any] | None = None):
+        if overrides is not None and not isinstance(overrides, Mapping):
+            raise ConfigError(f"overrides must be a dict of dotted keys, e.g. {{'train.steps': 5}}; "
+                              f"got {type(overrides).__name__}")
+        data = _config_data(config)
+        loaded = None
+        if isinstance(model, (str, os.PathLike)):
+            set_key(data, ["model", "path"], os.fspath(model), "model")
+        elif model is not None:
+            if not hasattr(model, "parameters"):
+                raise ConfigError(f"model must be a model directory or a loaded transformers model, "
+                                  f"got {type(model).__name__}")
+            loaded, where = model, _model_dir(model)
+            if where:
+                set_key(data, ["model", "path"], where, "model")
+        if isinstance(dataset, (str, os.PathLike)):          # recorded in the run's config.yaml
+            set_key(data, ["data", "path"], os.fspath(dataset), "dataset")
+        if isinstance(eval_dataset, (str, os.PathLike)):
+            set_key(data, ["data", "eval_path"], os.fspath(eval_dataset), "eval_dataset")
+        specs, fns = _reward_specs(rewards) if rewards is not None else (None, [])
+        # the callables are in the registry only while the config is checked and the trainer built
+        with registered_while(fns) as names:
+            if specs is not None:
+                for spec, name in zip((s for s in specs if callable(s["name"])), names):
+                    spec["name"] = name
+                data["rewards"] = specs
+            for key, value in (overrides or {}).items():
+                set_key(data, str(key).split("."), value, f"overrides[{key!r}]")
+            self.config: Config = config_from_dict(data)
+            self._reward_fns = {s.name: get(s.name) for s in self.config.rewards}
+            d = self.config.data
+            if dataset is None and not d.path:
+                raise DataError("no prompts: pass dataset= (rows, a JSONL / Parquet path or a datasets.Dataset) "
+                                "or set data.path")
+            train_ds = self._prompts(dataset if dataset is not None else d.path, "dataset")
+            held = eval_dataset if eval_dataset is not None else (d.eval_path or None)
+            eval_ds = self._prompts(held, "eval_dataset") if held is not None else None
+            self._check_rewards(train_ds, "dataset")
+            self._check_rewards(eval_ds, "eval_dataset")
+            if loaded is not None and tokenizer is None:
+                tokenizer = _tokenizer_of(loaded, self.config)
+            from grpokit.train import build_trainer
+
+            self.trainer = build_trainer(self.config, model=loaded, tokenizer=tokenizer, dataset=train_ds,
+                                         eval_dataset=eval_ds)
+        self.reward_names = [s.name for s in self.config.rewards]
+
+    # ------------------------------------------------------------------ running
+
+    def train(self, *, resume: bool = False) -> dict[str, float]:
+        """Train for `train.steps` steps (from the last checkpoint of `train.run_dir` with
+        `resume=True`); returns the last step's metrics (held-out ones included when evaluated)."""
+        if self.config.train.progress:
+            from grpokit.cli_progress import StepProgress
+
+            with StepProgress(self.config.train.steps) as bar:
+                return self.trainer.train(resume=resume, progress=bar.update)
+        return self.trainer.train(resume=resume)
+
+    def evaluate(self, dataset: Any = None) -> dict[str, float]:
+        """Held-out metrics of the current policy (`eval/pass@1`, and `eval/mean@k` with
+        `train.eval_samples`) on `dataset`, or on the `eval_dataset` / `data.eval_path` given."""
+        held = self.trainer.eval_dataset
+        if dataset is not None:
+            held = self._prompts(dataset, "dataset")
+            self._check_rewards(held, "dataset")
+        if held is None:
+            raise ConfigError("no held-out prompts: pass eval_dataset= to GRPO (or set data.eval_path), "
+                              "or a dataset to evaluate()")
+        before, self.trainer.eval_dataset = self.trainer.eval_dataset, held
+        try:
+            return self.trainer.run_eval()
+        finally:
+            self.trainer.eval_dataset = before
+
+    # ------------------------------------------------------------------ inputs
+
+    def _prompts(self, source, what: str):
+        """A `PromptDataset` from a path, a `PromptDataset`, rows in memory or a `datasets.Dataset`."""
+        d = self.config.data
+        if isinstance(source, PromptDataset):
+            return source
+        if isinstance(source, (str, os.PathLike)):
+            return load_prompts(source, prompt_field=d.prompt_field, answer_field=d.answer_field)
+        hf = sys.modules.get("datasets")                    # only an object of a loaded `datasets`
+        if hf is not None and isinstance(source, hf.DatasetDict):
+            raise DataError(f"{what}: a DatasetDict holds several splits ({', '.join(source)}); pass one, "
+                            f"e.g. {what}['train']")
+        if isinstance(source, (Mapping, str, bytes)) or not hasattr(source, "__iter__"):
+            raise DataError(f"{what} must be a list of rows (dicts), a JSONL / Parquet path or a "
+                            f"datasets.Dataset, got {type(source).__name__}")
+        return prompts_from_rows(list(source), source=what, prompt_field=d.prompt_field,
+                                 answer_field=d.answer_field)
+
+    def _check_rewards(self, prompts, what: str) -> None:
+        """Every parameter a reward function requires must be a column it will be given."""
+        if prompts is None:
+            return
+        columns = {c for row in prompts.rows for c in row if c != "prompt"} | set(PASSED_COLUMNS)
+        for spec in self.config.rewards:
+            caller = getattr(self._reward_fns[spec.name], "_grpokit_caller", None)
+            if caller is None:                              # a registered reward: its own business
+                continue
+            missing = [n for n in caller.required if n not in columns and n not in spec.args]
+            if missing:
+                raise ConfigError(f"reward {spec.name!r} needs {missing[0]!r}, which is neither a column of "
+                                  f"{what} nor one the trainer passes (columns: {', '.join(sorted(columns))})")
+
+
+# ---------------------------------------------------------------------- config
+
+
+def _config_data(config) -> dict:
+    """The raw config mapping of a Config, dict, preset name, YAML path, or a list of names/paths."""
+    if config is None:
+        return {}
+    if isinstance(config, Config):                          # only what was set: defaults derived
+        return config.model_dump(exclude_unset=True)        # from other fields stay derived
+    if isinstance(config, Mapping):
+        return copy.deepcopy(dict(config))
+    if isinstance(config, (str, os.PathLike)):
+        return read_configs(os.fspath(config))
+    if isinstance(config, (list, tuple)) and all(isinstance(c, (str, os.PathLike)) for c in config):
+        return read_configs([os.fspath(c) for c in config])
+    raise ConfigError(f"config must be a Config, a dict, a preset name or a YAML path, got {type(config).__name__}")
+
+
+# ---------------------------------------------------------------------- rewards
+
+
+def _reward_specs(rewards) -> tuple[list[dict], list[tuple[str, Callable]]]:
+    """Config reward specs for `rewards`, with each callable still in its spec's `name`, and the
+    (preferred name, adapted function) pairs to register, in the order of those specs."""
+    items = [rewards] if callable(rewards) or isinstance(rewards, (str, Mapping)) else rewards
+    if isinstance(items, tuple) and len(items) == 2 and isinstance(items[1], Real):
+        items = [items]                                     # a single (reward, weight) pair
+    try:
+        items = list(items)
+    except TypeError:
+        raise ConfigError(f"rewards must be a list of reward functions or names, got {type(rewards).__name__}") from None
+    specs, fns = [], []
+    for i, item in enumerate(items):
+        if isinstance(item, Mapping):
+            spec = dict(item)
+        elif isinstance(item, (tuple, list)) and len(item) == 2:
+            reward, weight = item
+            if isinstance(weight, bool) or not isinstance(weight, Real):
+                raise ConfigError(f"rewards[{i}]: the weight of a (reward, weight) pair must be a number, "
+                                  f"got {weight!r}")
+            spec = {"name": reward, "weight": float(weight)}
+        else:
+            spec = {"name": item}
+        reward = spec.get("name")
+        if callable(reward):
+            registered = getattr(reward, "reward_name", None)
+            if registered is not None and REGISTRY.get(registered) is reward:
+                spec["name"] = registered                   # a registered function: its name
+            else:
+                spec["name"] = _adapt(reward)
+                fns.append((_reward_name(reward), spec["name"]))
+        elif not isinstance(reward, str):
+            raise ConfigError(f"rewards[{i}]: expected a reward function, a registered reward name, a "
+                              f"(reward, weight) pair or a spec dict; got {type(reward).__name__} {reward!r}")
+        specs.append(spec)
+    return specs, fns
+
+
+def _reward_name(fn) -> str:
+    """A metric-friendly name for a callable: its own name, else its class name, else `reward`."""
+    f = fn.func if isinstance(fn, functools.partial) else fn
+    name = getattr(f, "__name__", None) or type(f).__name__
+    name = re.sub(r"\W+", "_", str(name)).strip("_")
+    return "reward" if name in ("", "lambda") else name
+
+
+class _Caller:
+    """How a user's reward function is called: by keyword (it has a `completions` parameter, as in
+    TRL) or positionally (grpokit's `fn(prompts, completions, **columns)`), with the columns it
+    names (all of them when it takes **kwargs); `required` are the columns it cannot do without."""
+
+    def __init__(self, fn):
+        try:
+            params = dict(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):                     # no signature (a builtin): grpokit's call
+            params = None
+        self.all_columns = params is None or any(p.kind is p.VAR_KEYWORD for p in params.values())
+        self.names = set() if params is None else {n for n, p in params.items() if p.kind in _NAMED}
+        self.by_keyword = "completions" in self.names
+        self.required: list[str] = []
+        if params is None:
+            return
+        if self.by_keyword:
+            rest = [p for n, p in params.items() if n not in ("prompts", "completions")]
+        else:
+            positional = [p for p in params.values() if p.kind in _POSITIONAL]
+            if len(positional) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in params.values()):
+                raise ConfigError(f"reward function {_reward_name(fn)!r} must take (prompts, completions, "
+                                  f"**columns), or TRL's (completions, **kwargs)")
+            rest = positional[2:] + [p for p in params.values() if p.kind is p.KEYWORD_ONLY]
+        self.required = [p.name for p in rest if p.kind in _NAMED and p.default is p.empty]
+
+    def __call__(self, fn, prompts, completions, columns):
+        if not self.all_columns:
+            columns = {k: v for k, v in columns.items() if k in self.names}
+        if self.by_keyword:
+            kw = {**columns, "completions": completions}
+            if self.all_columns or "prompts" in self.names:
+                kw["prompts"] = prompts
+            return fn(**kw)
+        return fn(prompts, completions, **columns)
+
+
+def _adapt(fn) -> Callable[..., list]:
+    """`fn` behind grpokit's reward signature (see `_Caller`); `inspect.signature` of the result is
+    `fn`'s, so config `args` are checked against `fn`'s own parameters."""
+    caller = _Caller(fn)
+
+    @functools.wraps(fn)
+    def reward(prompts, completions, **columns):
+        return caller(fn, prompts, completions, columns)
+
+    reward._grpokit_caller = caller
+    return reward
+
+
+# ---------------------------------------------------------------------- model
+
+
+def _model_dir(model) -> str:
+    """The local directory a loaded model came from, or ""."""
+    path = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    return str(path) if path and os.path.isdir(str(path)) else ""
+
+
+def _tokenizer_of(model, cfg: Config):
+    where = _model_dir(model)
+    if not where:
+        raise ConfigError("tokenizer= is needed with a loaded model that has no local directory to load one from")
+    from grpokit.train.model import load_tokenizer
+
+    return load_tokenizer(where, trust_remote_code=cfg.model.trust_remote_code)
