@@ -184,10 +184,16 @@ class KLConfig(_Section):
     controller: ControllerName = "adaptive"
     """How beta changes during training, a name in `grpokit.algo.control.CONTROLLERS`: fixed,
     adaptive, ziegler, warmup, schedule, or one added with `register_controller`."""
-    target_low: float = 0.01
-    """Adaptive controller: lower beta when the observed KL is below this."""
-    target_high: float = 0.1
-    """Adaptive controller: raise beta when the observed KL is above this."""
+    target_unit: Literal["sequence", "token"] = "sequence"
+    """What the controller's KL target is measured in: `sequence`, the KL of a whole completion
+    (Σ over its tokens, averaged over completions: `kl/ref_seq`), or `token`, the per-token mean
+    (`kl/ref`). The practitioner's target of 1-10 only makes sense per completion: a per-token KL
+    of 1 nat means the policy has left the reference entirely (docs/algorithms.md, "KL target")."""
+    target_low: float = Field(1.0, ge=0)
+    """Adaptive controller: lower beta when the observed KL (in `target_unit`) is below this."""
+    target_high: float = Field(10.0, gt=0)
+    """Adaptive controller: raise beta when the observed KL (in `target_unit`) is above this.
+    Bigger models want a smaller target (the rule: "1~10, smaller for bigger models")."""
     adapt_factor: float = Field(1.05, gt=1)
     """Adaptive controller: beta is multiplied (divided) by this after each step whose KL is above
     (below) the band. PPO's band rule uses 2 per policy iteration; applied at every GRPO step, 1.5

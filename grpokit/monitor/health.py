@@ -101,6 +101,9 @@ class KLClimbingConfig(AlarmConfig):
     kl_high: float | None = Field(None, gt=0.0)
     """Upper bound of the KL controller's target range; None disables the level test. The trainer
     copies it from its KL controller config."""
+    unit: Literal["token", "sequence"] = "token"
+    """The unit of `kl_high`: `token` compares it with `kl/ref`, `sequence` with `kl/ref_seq` (the
+    KL of a whole completion). The trainer copies it from `algorithm.kl.target_unit`."""
     high_steps: int = Field(10, ge=1)
     """Consecutive `kl/ref` values above `kl_high` that fire the level test (an adaptive controller
     needs a few steps to pull KL back into its band, so this is not 1)."""
@@ -285,7 +288,7 @@ def _slope(xs: Sequence[float], ys: Sequence[float]) -> float:
 # Rules
 
 
-@register_rule("kl_climbing", KLClimbingConfig, keys=("kl/ref",))
+@register_rule("kl_climbing", KLClimbingConfig, keys=("kl/ref", "kl/ref_seq"))
 def kl_climbing(history: History, p: KLClimbingConfig) -> Alarm | None:
     """KL to the reference climbing steadily, or held above the controller's target range.
 
@@ -303,11 +306,12 @@ def kl_climbing(history: History, p: KLClimbingConfig) -> Alarm | None:
         "clip range."
     )
     if p.kl_high is not None:
-        high = _tail(history, "kl/ref", p.high_steps)
+        key = "kl/ref_seq" if p.unit == "sequence" else "kl/ref"
+        high = _tail(history, key, p.high_steps)
         if len(high) == p.high_steps and min(high) > p.kl_high:
             return Alarm(
                 "kl_climbing", _step(history), p.action,
-                f"KL to the reference (kl/ref) has been above the target bound kl_high={p.kl_high:.3g} "
+                f"KL to the reference ({key}) has been above the target bound kl_high={p.kl_high:.3g} "
                 f"for the last {p.high_steps} steps (now {high[-1]:.3g}).",
                 advice, high[-1],
             )

@@ -398,6 +398,9 @@ def health_thresholds(config: Mapping[str, Any] | None) -> Thresholds:
         if high is not None and 0 < high < math.inf:
             health.kl_climbing.kl_high = high
             filled["kl_climbing.kl_high"] = "the KL controller's upper target (algorithm.kl)"
+            unit = _mapping(_mapping(config, "algorithm"), "kl").get("target_unit", "sequence")
+            if unit in ("token", "sequence"):
+                health.kl_climbing.unit = unit
     tol = _mapping(config, "guard").get("ref_tolerance")
     default_tol = type(health.ref_drift).model_fields["tolerance"].default
     if (health.ref_drift.tolerance == default_tol and isinstance(tol, (int, float))
@@ -449,7 +452,7 @@ def alarm_bands(
     kl = health.kl_climbing
     if on.get("kl_climbing"):
         if kl.kl_high is not None:
-            add(Band("kl/ref", "kl_climbing", "kl_climbing.kl_high",
+            add(Band("kl/ref_seq" if kl.unit == "sequence" else "kl/ref", "kl_climbing", "kl_climbing.kl_high",
                      f"kl_high {kl.kl_high:.3g}: alarm after {kl.high_steps} steps above", kl.kl_high, "above"))
         add(Band("kl/ref", "kl_climbing", "kl_climbing.min_kl",
                  f"min_kl {kl.min_kl:.3g}: a rise below it is ignored", kl.min_kl, None))

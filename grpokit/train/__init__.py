@@ -31,6 +31,8 @@ def build_health(cfg):
     h = cfg.health.model_dump()
     if "kl_high" not in cfg.health.kl_climbing.model_fields_set:
         h["kl_climbing"]["kl_high"] = kl_target_high(cfg)
+        if "unit" not in cfg.health.kl_climbing.model_fields_set:
+            h["kl_climbing"]["unit"] = cfg.algorithm.kl.target_unit
     if "tolerance" not in cfg.health.ref_drift.model_fields_set:
         h["ref_drift"]["tolerance"] = cfg.guard.ref_tolerance
     return HealthMonitor(HealthConfig(**h), cfg.train.run_dir, print_fn=log.warning)

@@ -107,7 +107,8 @@ class Trainer:
             batch.old_logp = self.worker.logprobs(batch, "policy")
             kl_seq = kl_lib.kl_in_reward(batch.old_logp, batch.ref_logp, batch.mask).to(torch.float64)
             batch.rewards = batch.rewards - beta * kl_seq
-            kl_in_reward = float(kl_seq.sum()) / max(1, int(batch.mask.sum()))   # token mean of k1
+            kl_in_reward = {"kl/ref": float(kl_seq.sum()) / max(1, int(batch.mask.sum())),   # token mean of k1
+                            "kl/ref_seq": float(kl_seq.mean())}
         m.update(self.old_logprobs(batch))
         m["time/logprobs"] = time.perf_counter() - t
         adv, adv_stats = adv_lib.compute(                               # 5
@@ -123,8 +124,8 @@ class Trainer:
         drift = self.ref_probe.check(self.worker, batch, self.step_idx) if self.ref_probe is not None else None
         self._after_update(upd.pop("guard/causes"), int(upd.pop("guard/updates_skipped")))
         if kl_in_reward is not None:                 # no KL term in the loss: kl/ref is the reward's k1
-            upd["kl/ref"] = kl_in_reward
-        observed = upd.get("kl/ref", 0.0)
+            upd.update(kl_in_reward)
+        observed = upd.get("kl/ref_seq" if a.kl.target_unit == "sequence" else "kl/ref", 0.0)
         self.kl_ctl.step(observed if math.isfinite(observed) else 0.0)
         m["time/step"] = time.perf_counter() - t_step
         self.last_batch = batch

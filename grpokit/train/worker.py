@@ -124,6 +124,7 @@ class LocalWorker:
         losses: dict[str, list[float]] = {}
         tok_sums: dict[str, float] = {}
         n_tok_seen, ratio_max, logp_min, grad_norms, pads = 0, float("nan"), math.inf, [], []
+        kl_sum, n_seq_seen = 0.0, 0
         self._causes = []
         rng = np.random.default_rng([cfg.train.seed, step])
         for epoch in range(a.mu):
@@ -151,6 +152,8 @@ class LocalWorker:
                     r = st.pop("policy/ratio_max", float("nan"))
                     ratio_max = r if math.isnan(ratio_max) else max(ratio_max, r)
                     logp_min = min(logp_min, st.pop("policy/logprob_min", math.inf))
+                    kl_sum += st.pop("kl/sum", 0.0)
+                    n_seq_seen += int(st.pop("rows"))
                     for k, v in st.items():
                         tok_sums[k] = tok_sums.get(k, 0.0) + v * ntok
                     n_tok_seen += ntok
@@ -163,6 +166,8 @@ class LocalWorker:
         out = {k: float(np.mean(v)) for k, v in losses.items()}
         out.update({k: v / max(n_tok_seen, 1) for k, v in tok_sums.items()})
         out["policy/ratio_max"] = ratio_max
+        if "kl/ref" in out:                          # KL of a whole completion, averaged over completions
+            out["kl/ref_seq"] = kl_sum / max(n_seq_seen, 1)
         if math.isfinite(logp_min):
             out["policy/logprob_min"] = logp_min
         finite_gn = [g for g in grad_norms if not math.isnan(g)]
@@ -213,10 +218,11 @@ class LocalWorker:
                # the token-level loss signal, whatever the aggregation: Σ surrogate / mini-batch tokens
                "loss/token_mean": st["policy"] if a.loss_agg == "token_mean" else st["token_sum"] / max(n_tok, 1),
                "policy/entropy": float(torch.where(mask.bool(), ent, 0.0).sum()) / max(ntok, 1),
-               "policy/logprob_min": lp_min}
+               "policy/logprob_min": lp_min, "rows": float(mask.any(-1).sum())}
         if "kl" in st:
             out["loss/kl"] = st["kl"]
             out["kl/ref"] = st["kl_sum"] / max(ntok, 1)
+            out["kl/sum"] = st["kl_sum"]
         for k in ("clip_frac_low", "clip_frac_high", "approx_kl", "ratio_max"):
             out[f"policy/{'approx_kl_old' if k == 'approx_kl' else k}"] = float(st[k])
         return out, ntok
