@@ -55,10 +55,12 @@ def kl_target_high(cfg) -> float | None:
 
 def build_trainer(cfg, *, model=None, tokenizer=None, health=True):
     from grpokit.data.datasets import load_prompts
+    from grpokit.monitor.sinks import check_sinks
     from grpokit.train.loop import Trainer
     from grpokit.train.lora import build_policy
     from grpokit.train.model import check_round_trip, load_tokenizer
 
+    check_sinks(cfg)          # a missing wandb / mlflow package: one line now, before the model loads
     m = cfg.model
     if tokenizer is None:
         tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)

@@ -34,7 +34,7 @@ from grpokit.algo import kl as kl_lib
 from grpokit.algo import loss as loss_lib
 from grpokit.algo.control import build_controller
 from grpokit.config import Config, dump_config
-from grpokit.monitor.sinks import MetricSink, atomic_write_text, truncate_jsonl
+from grpokit.monitor.sinks import atomic_write_text, open_sink, truncate_jsonl
 from grpokit.data.curriculum import Curriculum
 from grpokit.data.filters import ProxyRules, proxy_filter, zero_variance_groups
 from grpokit.data.rewrite import rewrite_sequences
@@ -194,7 +194,7 @@ class Trainer:
         self.gen.manual_seed(cfg.train.seed)
         self.step_idx = 0
         self.health = health
-        self.sink = MetricSink(self.run_dir, tensorboard=cfg.train.tensorboard)
+        self.sink = open_sink(self.run_dir, cfg)
         self.skipped_steps = 0           # steps none of whose updates reached the weights
         self.skipped_minibatches = 0     # mini-batch updates (optimizer steps) the guard skipped
         self.rollbacks = 0
@@ -755,7 +755,7 @@ class Trainer:
         self.sink.close()                # it may hold RUN_DIR/tb open, which moves too
         moved = ckpt_lib.set_aside_earlier_run(self.run_dir)
         self._write_config()
-        self.sink = MetricSink(self.run_dir, tensorboard=self.cfg.train.tensorboard)
+        self.sink = open_sink(self.run_dir, self.cfg)
         if moved is not None:
             log.warning("%s held the output of an earlier run; moved it to %s", self.run_dir, moved)
         if self.cfg.train.save_every:
