@@ -42,7 +42,8 @@ def build(args):
         "rewards": [{"name": "bench_partial_credit"}],
         "optim": {"lr": common.LR, "max_grad_norm": common.MAX_GRAD_NORM, "micro_batch_size": args.micro_batch},
         "train": {"steps": args.steps, "seed": common.SEED, "run_dir": args.run_dir,
-                  "save_every": 0, "sample_every": 0, "tensorboard": False, "progress": False},
+                  "save_every": 0, "sample_every": 0, "progress": False},
+        "monitor": {"sinks": ["jsonl"]},
         # the reference-integrity probe is extra work TRL does not do: off for a like-for-like step
         "guard": {"ref_check_every": 0},
     })

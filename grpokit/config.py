@@ -12,22 +12,22 @@ it and exits with code 2.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from grpokit._names import closest, did_you_mean, lookup
+from grpokit.errors import ConfigError
 from grpokit.monitor.health import HealthConfig
+from grpokit.monitor.sinks import SINK_NAMES
 from grpokit.rewards.compose import TimeoutS
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
-
-class ConfigError(ValueError):
-    """A one-line, user-facing configuration error."""
 
 
 # --------------------------------------------------------------------------- registered names
@@ -358,8 +358,10 @@ class TrainConfig(_Section):
     """Sampled completions per eval prompt for `eval/mean@k` (0 = greedy only)."""
     sample_every: int = Field(10, ge=0)
     """Write completions to RUN_DIR/samples every N steps (0 = never)."""
-    tensorboard: bool = True
-    """Also log to TensorBoard when it is installed."""
+    tensorboard: bool | None = None
+    """Deprecated: use `monitor.sinks`. `false` drops TensorBoard (unset sinks become `[jsonl]`),
+    `true` adds it to a `monitor.sinks` list; either way it is folded into `monitor.sinks` and
+    reset to null."""
     progress: bool = True
     """Show a progress bar."""
 
@@ -391,6 +393,37 @@ class LoraSection(_Section):
     save: Literal["adapter", "merged"] = "adapter"
     """Checkpoints hold the adapters alone (`adapter`, small; eval finds the base through
     adapter_config.json) or the adapters merged into the base as a plain HF model (`merged`)."""
+
+
+class MonitorConfig(_Section):
+    sinks: list[str] | None = None
+    """Where metrics go: `jsonl` (RUN_DIR/metrics.jsonl, always on), `tensorboard` (RUN_DIR/tb),
+    `wandb`, `mlflow` (docs/metrics.md); a list or a comma-separated string. Unset: jsonl, plus
+    TensorBoard when it is installed. A listed sink whose package is missing stops the run at start
+    with one line naming the pip extra."""
+    project: str = ""
+    """W&B project and MLflow experiment; empty: WANDB_PROJECT for W&B when set, else `grpokit`."""
+    run_name: str = ""
+    """Run name in W&B and MLflow; empty: the run directory's folder name (`runs/grpo` -> `grpo`)."""
+    wandb_mode: Literal["offline", "online", "disabled"] | None = None
+    """W&B mode; unset: WANDB_MODE when set, else `offline` (files under RUN_DIR/wandb, uploaded
+    later by `wandb sync`; no network needed)."""
+
+    @field_validator("sinks", mode="before")
+    @classmethod
+    def _sink_names(cls, value):
+        if value is None:
+            return None
+        if isinstance(value, str):
+            value = [v for v in (x.strip() for x in value.split(",")) if v]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"must be a list of sink names ({', '.join(SINK_NAMES)})")
+        for name in value:
+            if name not in SINK_NAMES:
+                close = closest(name, SINK_NAMES)
+                hint = f" (did you mean '{close}'?)" if close else ""
+                raise ValueError(f"unknown sink '{name}'{hint}; valid sinks: {', '.join(SINK_NAMES)}")
+        return ["jsonl"] + [n for i, n in enumerate(value) if n != "jsonl" and n not in value[:i]]
 
 
 class GuardConfig(_Section):
@@ -433,9 +466,12 @@ class Config(_Section):
     """Non-finite guard, rollback and reference integrity."""
     lora: LoraSection = LoraSection()
     """LoRA / QLoRA adapters (grpokit.train.lora)."""
+    monitor: MonitorConfig = MonitorConfig()
+    """Metric sinks: JSONL, TensorBoard, W&B, MLflow (grpokit.monitor.sinks)."""
 
     @model_validator(mode="after")
     def _combinations(self) -> "Config":
+        self._fold_train_tensorboard()
         r = self.rollout
         if r.group_size < 2:
             raise ValueError("rollout.group_size must be >= 2 (group-relative advantages need a group)")
@@ -463,6 +499,23 @@ class Config(_Section):
             if not all(0 < q < 1 for q in self.algorithm.length_buckets):
                 raise ValueError("algorithm.length_buckets must lie in (0, 1) with bucket_mode=quantiles")
         return self
+
+    def _fold_train_tensorboard(self) -> None:
+        """The deprecated `train.tensorboard` becomes `monitor.sinks`."""
+        tb = self.train.tensorboard
+        if tb is None:
+            return
+        warnings.warn("train.tensorboard is deprecated; use monitor.sinks (e.g. monitor.sinks=[jsonl,tensorboard])",
+                      FutureWarning, stacklevel=2)
+        sinks = self.monitor.sinks
+        if not tb:
+            if sinks is not None and "tensorboard" in sinks:
+                raise ValueError("train.tensorboard=false contradicts monitor.sinks, which lists tensorboard "
+                                 "(train.tensorboard is deprecated: drop it)")
+            self.monitor.sinks = sinks if sinks is not None else ["jsonl"]
+        elif sinks is not None and "tensorboard" not in sinks:
+            self.monitor.sinks = sinks + ["tensorboard"]
+        self.train.tensorboard = None
 
     @property
     def prompts_per_step(self) -> int:

@@ -36,7 +36,7 @@ def small_overrides(model_dir: Path, train: Path, run_dir: Path, **extra) -> lis
         "model.path": model_dir, "data.path": train, "train.run_dir": run_dir,
         "rollout.group_size": 4, "rollout.batch_size": 16, "rollout.max_new_tokens": 4,
         "rollout.temperature": 1.0, "optim.lr": 1e-3, "optim.micro_batch_size": 16,
-        "train.steps": 2, "train.progress": False, "train.tensorboard": False, "train.sample_every": 0,
+        "train.steps": 2, "train.progress": False, "monitor.sinks": "[jsonl]", "train.sample_every": 0,
         "rewards": "[{name: exact_match}]",
     }
     base.update(extra)

@@ -61,9 +61,11 @@ def build_trainer(cfg, *, model=None, tokenizer=None, health=True, dataset=None,
     `data.eval_path`'s."""
     from grpokit.data.datasets import load_prompts
     from grpokit.train.build import build_policy, load_tokenizer
+    from grpokit.monitor.sinks import check_sinks
     from grpokit.train.loop import Trainer
     from grpokit.train.model import check_round_trip
 
+    check_sinks(cfg)          # a missing wandb / mlflow package: one line now, before the model loads
     m = cfg.model
     if tokenizer is None:
         tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)

@@ -118,7 +118,7 @@ MODELS = [ProbeModel("tiny", 64, 2, 4, 0), ProbeModel("small", 256, 4, 4, 4000),
 
 BASE = {"rollout.group_size": 8, "rollout.batch_size": 32, "rollout.max_new_tokens": 64, "rollout.ignore_eos": True,
         "rollout.temperature": 1.0, "optim.micro_batch_size": 16, "algorithm.kl.beta": 0.04,
-        "algorithm.kl.controller": "fixed", "train.progress": False, "train.tensorboard": False,
+        "algorithm.kl.controller": "fixed", "train.progress": False, "monitor.sinks": "[jsonl]",
         "train.sample_every": 0, "guard.ref_check_every": 0, "rewards": "[{name: memory_probe_coin}]"}
 
 CASES = [

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 from grpokit.config import dump_config
-from grpokit.monitor.sinks import MetricSink, atomic_write_text, truncate_jsonl
+from grpokit.monitor.sinks import MetricSink, atomic_write_text, open_sink, truncate_jsonl
 from grpokit.train import checkpoint as ckpt_lib
 from grpokit.train.batch import Batch
 
@@ -32,7 +32,7 @@ class RunDir:
         self.sink = self._new_sink()
 
     def _new_sink(self) -> MetricSink:
-        return MetricSink(self.path, tensorboard=self.cfg.train.tensorboard)
+        return open_sink(self.path, self.cfg)
 
     def write_config(self) -> None:
         """RUN_DIR/config.yaml: the config this run trains with."""

@@ -39,7 +39,7 @@ def test_the_code_preset_trains_through_the_sandbox(tmp_path):
         "model.path": model_dir, "data.path": data, "train.run_dir": tmp_path / "run",
         "rollout.group_size": 4, "rollout.batch_size": 16, "rollout.max_new_tokens": 24,
         "optim.micro_batch_size": 16, "train.steps": 2, "train.progress": False,
-        "train.tensorboard": False, "train.sample_every": 0,
+        "monitor.sinks": "[jsonl]", "train.sample_every": 0,
     }
     cfg = load_config("code", [f"{k}={v}" for k, v in over.items()])
     assert [r.name for r in cfg.rewards] == ["code_tests"]            # the preset's reward, not overridden

@@ -23,7 +23,7 @@ def _factory(setup, name, **extra):
     root, model_dir, train, _ = setup
     over = {"model.path": model_dir, "data.path": train, "train.run_dir": root / name, "rollout.group_size": 4,
             "rollout.batch_size": 8, "rollout.max_new_tokens": 5, "rollout.temperature": 1.0, "optim.lr": 1e-2,
-            "optim.micro_batch_size": 3, "train.steps": 4, "train.tensorboard": False,
+            "optim.micro_batch_size": 3, "train.steps": 4, "monitor.sinks": "[jsonl]",
             "algorithm.kl.beta": 0.05, "algorithm.kl.controller": "fixed", "rewards": "[{name: test_varied}]",
             **extra}
     cfg = load_config(None, [f"{k}={v}" for k, v in over.items()])
