@@ -349,6 +349,9 @@ class TrainConfig(_Section):
     comes first (0 = off). With both 0 only the end of the run is saved."""
     keep_last: int = Field(2, ge=1)
     """Newest checkpoints kept (older ones are deleted, except the healthy ones below)."""
+    batch_advice: bool = True
+    """Warn at start when `rollout.batch_size` is far below the 512-2048 responses per step that
+    give smooth curves (the practitioner's batch rule, docs/training.md); the demo turns it off."""
     keep_healthy: int = Field(1, ge=1)
     """Newest healthy checkpoints kept besides them (rollback targets)."""
     eval_every: int = Field(0, ge=0)

@@ -83,6 +83,21 @@ def build_policy(cfg, model=None):
     return policy, (copied if lc.reference == "copy" else reference_for(cfg, policy))
 
 
+SMOOTH_BATCH = (512, 2048)        # responses per step for smooth curves (practitioner's batch rule)
+
+
+def batch_advice(cfg) -> str | None:
+    """A warning when a run's batch is far (4x or more) below the responses per step that give
+    smooth curves, unless `train.batch_advice` is off."""
+    n = cfg.rollout.batch_size
+    if not cfg.train.batch_advice or n * 4 > SMOOTH_BATCH[0]:
+        return None
+    return (f"rollout.batch_size={n} responses per step is far below the {SMOOTH_BATCH[0]}-{SMOOTH_BATCH[1]} "
+            "that give smooth curves (docs/training.md, practitioner's rules): expect noisy metrics and "
+            "alarms; raise rollout.batch_size (optim.micro_batch_size bounds the memory), or set "
+            "train.batch_advice=false")
+
+
 def build_kl_controller(cfg):
     """The KL coefficient's controller from `algorithm.kl` (grpokit.algo.control): fixed at 0 when
     beta = 0; the adaptive controller's band and step factor from the config unless its

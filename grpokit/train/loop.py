@@ -35,7 +35,7 @@ from grpokit.rollout.base import NonFiniteLogits, RolloutBatch, SamplingParams
 from grpokit.rollout.registry import build_engine
 from grpokit.train import batch as batch_lib
 from grpokit.train.batch import Batch
-from grpokit.train.build import build_kl_controller, reference_for
+from grpokit.train.build import batch_advice, build_kl_controller, reference_for
 from grpokit.train.checkpoint import load_state, load_weights
 from grpokit.train.evaluate import held_out
 from grpokit.train.guard import Guard
@@ -321,6 +321,9 @@ class Trainer:
         """A run that does not resume: earlier output moved aside, the step-0 checkpoint saved and,
         with `train.eval_every: 0`, the baseline evaluation logged as step 0."""
         self.run.start_fresh()
+        advice = batch_advice(self.cfg)
+        if advice:
+            log.warning(advice)
         if self.cfg.train.save_every or self.cfg.train.save_every_minutes:
             self.save()                  # step 0: a healthy point to roll back to
         if self.cfg.train.eval_every == 0 and self.eval_dataset is not None:

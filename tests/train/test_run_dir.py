@@ -131,3 +131,15 @@ def test_two_set_asides_in_one_second_get_two_folders(tmp_path):
         (run / "metrics.jsonl").write_text(f'{{"step": {i}}}\n')
         names.append(set_aside_earlier_run(run).name)
     assert len(set(names)) == 3 and not (run / "metrics.jsonl").exists()
+
+
+def test_a_small_batch_is_warned_about_outside_the_demo():
+    from grpokit.config import load_config
+    from grpokit.train.build import batch_advice
+
+    msg = batch_advice(load_config(None, ["rollout.batch_size=16", "rollout.group_size=4"]))
+    assert msg is not None and "rollout.batch_size=16" in msg and "512-2048" in msg and "\n" not in msg
+    assert batch_advice(load_config(None, ["rollout.batch_size=512", "rollout.group_size=8"])) is None
+    assert batch_advice(load_config(None, ["rollout.batch_size=16", "rollout.group_size=4",
+                                           "train.batch_advice=false"])) is None
+    assert batch_advice(load_config(["demo"], [])) is None          # 128 per step on a 2-core CPU, by design
