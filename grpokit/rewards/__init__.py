@@ -19,12 +19,16 @@ Importing this package registers the built-ins (cheap: no process starts until a
 | length_group          | penalties  | Kimi k1.5 length penalty within the group                      |
 | format_violation      | penalties  | -penalty when the format is broken                             |
 
+`check_determinism` / `check_rows` (determinism.py) warn about rewards that score the same
+completion differently from one call to the next.
+
 See docs/rewards.md for formulas, known holes and the sandbox threat model.
 """
 
 from . import basic, code, format, math, penalties  # noqa: F401 - registers the built-ins
 from .code import CodeResult, extract_code, run_tests, run_tests_batch
 from .compose import CrossCheck, RewardOutput, RewardSet, RewardSpec, check_args
+from .determinism import check_determinism, check_rows, probe_batch
 from .math import verify
 from .penalties import is_truncated
 from .registry import REGISTRY, RewardFn, get, read_column, register
@@ -32,5 +36,6 @@ from .registry import REGISTRY, RewardFn, get, read_column, register
 __all__ = [
     "REGISTRY", "RewardFn", "register", "get", "read_column",
     "RewardSpec", "RewardSet", "RewardOutput", "CrossCheck", "check_args",
+    "check_determinism", "check_rows", "probe_batch",
     "verify", "run_tests", "run_tests_batch", "CodeResult", "extract_code", "is_truncated",
 ]

@@ -9,6 +9,11 @@ gigabytes) and starting the replacement happen in a background thread, so a time
 returns as soon as its time is up.
 
 Nothing starts at import: the first call starts the workers (about half a second each).
+
+`restart()` retires a pool's processes (the next calls start fresh ones) and `restart_all()` does
+it for every live pool of this process: the determinism check (`grpokit.rewards.determinism`) uses
+it to score once more in fresh checker processes, so a score that depends on state kept in a
+checker shows up.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 STARTUP_TIMEOUT_S = 60.0
 
@@ -114,12 +120,14 @@ class WorkerPool:
         self.script, self.size = script, max(1, size)
         self._reset()
         atexit.register(self.close)
+        _POOLS.add(self)
 
     def _reset(self) -> None:
         self.pid = os.getpid()
         self.idle: list[_Worker] = []
         self.count = 0
         self.closed = False
+        self.generation = 0             # bumped by restart(): older workers are retired
         self.cv = threading.Condition()
 
     def _acquire(self) -> _Worker:
@@ -133,8 +141,11 @@ class WorkerPool:
             if self.idle:
                 return self.idle.pop()
             self.count += 1
+            gen = self.generation
         try:
-            return _Worker(self.script)
+            w = _Worker(self.script)
+            w.generation = gen
+            return w
         except Exception as e:  # noqa: BLE001 - whatever failed, the slot must be given back
             with self.cv:
                 self.count -= 1
@@ -144,13 +155,13 @@ class WorkerPool:
     def _release(self, w: _Worker, healthy: bool) -> None:
         if healthy:
             with self.cv:
-                keep = not self.closed
+                keep = not self.closed and getattr(w, "generation", 0) == self.generation
                 if keep:
                     self.idle.append(w)
                 else:
                     self.count -= 1
                 self.cv.notify()
-            if not keep:                # came back after close(): nothing may outlive the pool
+            if not keep:                # came back after close() or restart(): retired
                 w.kill()
             return
         # Off the caller's path: the caller only sends SIGKILL and returns at once; the slot stays
@@ -162,12 +173,15 @@ class WorkerPool:
             self._replace(w)
 
     def _replace(self, dead: _Worker) -> None:
+        gen = self.generation
         try:
             new = _Worker(self.script)  # starts importing right away, while the old one is reaped
         except Exception:  # noqa: BLE001 - the slot must be given back whatever happened
             new = None
         with self.cv:
-            unwanted = new is not None and self.closed
+            unwanted = new is not None and (self.closed or gen != self.generation)
+            if new is not None:
+                new.generation = gen
             if new is None or unwanted:
                 self.count -= 1
             else:
@@ -198,3 +212,36 @@ class WorkerPool:
             self.cv.notify_all()        # callers waiting for a slot get WorkerError, not a hang
         for w in idle:
             w.kill()
+
+    def restart(self) -> int:
+        """Retire every checker process: the idle ones are killed (and reaped) now, a busy one
+        when its call returns; later calls start fresh processes. Returns how many processes the
+        pool had (idle or busy). A closed pool stays closed (returns 0)."""
+        if os.getpid() != self.pid:  # forked: the parent's workers are not ours
+            self._reset()
+            return 0
+        with self.cv:
+            if self.closed:
+                return 0
+            live = self.count
+            idle, self.idle = self.idle, []
+            self.count -= len(idle)
+            self.generation += 1
+            self.cv.notify_all()        # freed slots: waiting callers start fresh workers
+        for w in idle:
+            w.kill()
+        return live
+
+    def pids(self) -> list[int]:
+        """Process ids of the idle checker processes (those between calls)."""
+        with self.cv:
+            return [w.proc.pid for w in self.idle]
+
+
+_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
+
+
+def restart_all() -> int:
+    """`restart()` every open pool of this process; returns how many checker processes were
+    retired (0: no pool had started one)."""
+    return sum(pool.restart() for pool in list(_POOLS))
