@@ -349,6 +349,10 @@ class TrainConfig(_Section):
     comes first (0 = off). With both 0 only the end of the run is saved."""
     keep_last: int = Field(2, ge=1)
     """Newest checkpoints kept (older ones are deleted, except the healthy ones below)."""
+    check_rewards: bool = True
+    """At the start of a fresh run, score a small probe batch twice (and once more after restarting
+    the built-in checker processes) and warn, naming the function, when a reward's scores differ:
+    rewards must be deterministic (docs/rewards.md, "Determinism check")."""
     batch_advice: bool = True
     """Warn at start when `rollout.batch_size` is far below the 512-2048 responses per step that
     give smooth curves (the practitioner's batch rule, docs/training.md); the demo turns it off."""

@@ -32,6 +32,7 @@ from grpokit.config import Config
 from grpokit.data.curriculum import Curriculum
 from grpokit.data.datasets import PromptSampler
 from grpokit.rollout.base import NonFiniteLogits, RolloutBatch, SamplingParams
+from grpokit.rewards.determinism import check_rows
 from grpokit.rollout.registry import build_engine
 from grpokit.train import batch as batch_lib
 from grpokit.train.batch import Batch
@@ -324,6 +325,10 @@ class Trainer:
         advice = batch_advice(self.cfg)
         if advice:
             log.warning(advice)
+        if self.cfg.train.check_rewards:             # rewards must be deterministic
+            for line in check_rows(self.rewards, self.dataset, prompt_text=self.encoder.text,
+                                   max_new_tokens=self.cfg.rollout.max_new_tokens):
+                log.warning(line)
         if self.cfg.train.save_every or self.cfg.train.save_every_minutes:
             self.save()                  # step 0: a healthy point to roll back to
         if self.cfg.train.eval_every == 0 and self.eval_dataset is not None:

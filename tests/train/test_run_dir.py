@@ -143,3 +143,28 @@ def test_a_small_batch_is_warned_about_outside_the_demo():
     assert batch_advice(load_config(None, ["rollout.batch_size=16", "rollout.group_size=4",
                                            "train.batch_advice=false"])) is None
     assert batch_advice(load_config(["demo"], [])) is None          # 128 per step on a 2-core CPU, by design
+
+
+def test_a_reward_drawing_unseeded_random_numbers_is_named_at_start(tmp_path, caplog):
+    import logging
+    import random
+
+    from grpokit.config import load_config
+    from grpokit.rewards import REGISTRY, register
+    from grpokit.train import build_trainer
+    from tests.fixtures import small_overrides, tiny_run_inputs
+
+    if "test_coin_flip" not in REGISTRY:
+        @register("test_coin_flip")
+        def _coin(prompts, completions, **columns):
+            return [float(random.random() < 0.5) for _ in completions]
+
+    root, model_dir, train, _ = tiny_run_inputs(tmp_path)
+    for name, named in (("test_coin_flip", True), ("exact_match", False)):
+        caplog.clear()
+        cfg = load_config(None, small_overrides(model_dir, train, root / name, **{
+            "rewards": f"[{{name: {name}}}]", "train.steps": 1}))
+        with caplog.at_level(logging.WARNING, logger="grpokit"):
+            build_trainer(cfg, health=False).train()
+        lines = [r.getMessage() for r in caplog.records if "not deterministic" in r.getMessage()]
+        assert bool(lines) == named and all("test_coin_flip" in x for x in lines)
