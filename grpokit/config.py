@@ -194,6 +194,13 @@ class KLConfig(_Section):
     target_high: float = Field(10.0, gt=0)
     """Adaptive controller: raise beta when the observed KL (in `target_unit`) is above this.
     Bigger models want a smaller target (the rule: "1~10, smaller for bigger models")."""
+
+    @model_validator(mode="after")
+    def _band(self):
+        if self.target_low > self.target_high:
+            raise ValueError(f"target_low {self.target_low:g} > target_high {self.target_high:g} "
+                             f"(the band is in nats per {self.target_unit}: per completion by default)")
+        return self
     adapt_factor: float = Field(1.05, gt=1)
     """Adaptive controller: beta is multiplied (divided) by this after each step whose KL is above
     (below) the band. PPO's band rule uses 2 per policy iteration; applied at every GRPO step, 1.5

@@ -23,7 +23,8 @@ from tests.fixtures import tiny_model_dir
 README = Path(__file__).resolve().parents[1] / "README.md"
 SMALL = {"rollout.group_size": 4, "rollout.batch_size": 16, "rollout.max_new_tokens": 4,
          "rollout.temperature": 1.0, "optim.lr": 1e-3, "optim.micro_batch_size": 16, "train.steps": 2,
-         "train.progress": False, "monitor.sinks": "[jsonl]", "train.sample_every": 0}
+         "train.progress": False, "monitor.sinks": "jsonl", "train.sample_every": 0,
+         "train.check_rewards": False}   # the start-of-run determinism check calls rewards too: counted here are training calls
 HELD_OUT = 6                      # != the 16 completions of a step, to tell eval calls from training ones
 
 

@@ -31,8 +31,8 @@ from grpokit.algo import loss as loss_lib
 from grpokit.config import Config
 from grpokit.data.curriculum import Curriculum
 from grpokit.data.datasets import PromptSampler
-from grpokit.rollout.base import NonFiniteLogits, RolloutBatch, SamplingParams
 from grpokit.rewards.determinism import check_rows
+from grpokit.rollout.base import NonFiniteLogits, RolloutBatch, SamplingParams
 from grpokit.rollout.registry import build_engine
 from grpokit.train import batch as batch_lib
 from grpokit.train.batch import Batch
@@ -86,6 +86,7 @@ class Trainer:
     model = property(lambda self: self.worker.model)
     reference = property(lambda self: self.worker.reference)
     run_dir = property(lambda self: self.run.path)
+    device = property(lambda self: next(self.worker.model.parameters()).device)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> dict:

@@ -251,14 +251,15 @@ def test_trainer_builds_the_adaptive_controller_from_config():
 
     c = build_kl_controller(load_config(["grpo"], []))
     assert c.beta == pytest.approx(0.02)
-    assert c.step(0.5) == pytest.approx(0.02 * 1.05)             # above the band [0.01, 0.1]
-    assert c.step(0.05) == pytest.approx(0.02 * 1.05)            # inside: unchanged
-    assert c.step(0.001) == pytest.approx(0.02)                  # below: divided
-    c = build_kl_controller(load_config(["grpo"], ["algorithm.kl.adapt_factor=2", "algorithm.kl.target_high=0.2"]))
+    assert c.step(20.0) == pytest.approx(0.02 * 1.05)            # above the band [1, 10] (per completion)
+    assert c.step(5.0) == pytest.approx(0.02 * 1.05)             # inside: unchanged
+    assert c.step(0.5) == pytest.approx(0.02)                    # below: divided
+    c = build_kl_controller(load_config(["grpo"], ["algorithm.kl.adapt_factor=2", "algorithm.kl.target_unit=token",
+                                                   "algorithm.kl.target_low=0.01", "algorithm.kl.target_high=0.2"]))
     assert c.step(0.15) == pytest.approx(0.02)
     assert c.step(0.3) == pytest.approx(0.04)
     c = build_kl_controller(load_config(["grpo"], ["algorithm.kl.controller_args={factor: 1.5}"]))
-    assert c.step(0.5) == pytest.approx(0.03)
+    assert c.step(20.0) == pytest.approx(0.03)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -111,7 +111,8 @@ def test_alarm_marks_on_the_metrics_each_rule_reads():
     marks = _alarm_marks(alarms)
     assert marks["kl/ref"] == [("kl_climbing", "warn", [(5, 7), (12, 12)])]
     assert marks["ref/integrity_drift"] == [("ref_drift", "stop", [(9, 9)])]
-    assert set(marks) == {"kl/ref", "ref/integrity_drift"}
+    assert marks["kl/ref_seq"] == marks["kl/ref"]       # the level test may read the per-completion KL
+    assert set(marks) == {"kl/ref", "kl/ref_seq", "ref/integrity_drift"}
 
 
 def test_signal_grouping_orders_namespaces_and_skips_non_numbers():
@@ -433,12 +434,19 @@ def test_kl_high_and_ref_tolerance_filled_in_as_the_trainer_does():
     # config.yaml holds every field: an unset kl_high is null there, and the trainer used the
     # KL controller's upper target; an unset ref_drift.tolerance is its default (guard's is used)
     dumped = yaml.safe_load(yaml.safe_dump(Config().model_dump(mode="json")))
-    dumped["algorithm"]["kl"]["target_high"] = 0.15
+    dumped["algorithm"]["kl"]["target_high"] = 15.0
     dumped["guard"]["ref_tolerance"] = 0.003
     th = health_thresholds(dumped)
-    assert th.health.kl_climbing.kl_high == 0.15 and th.health.ref_drift.tolerance == 0.003
+    assert th.health.kl_climbing.kl_high == 15.0 and th.health.ref_drift.tolerance == 0.003
+    assert th.health.kl_climbing.unit == "sequence"                     # the default KL target unit
     assert set(th.filled) == {"kl_climbing.kl_high", "ref_drift.tolerance"}
-    bands = alarm_bands(th.health, np.arange(3.0), {"kl/ref": (np.zeros(3), np.ones(3, bool))})
+    cols = {k: (np.zeros(3), np.ones(3, bool)) for k in ("kl/ref", "kl/ref_seq")}
+    bands = alarm_bands(th.health, np.arange(3.0), cols)
+    assert [b.value for b in bands["kl/ref_seq"] if b.field == "kl_climbing.kl_high"] == [15.0]
+    assert not [b for b in bands["kl/ref"] if b.field == "kl_climbing.kl_high"]   # not on the per-token plot
+    dumped["algorithm"]["kl"].update(target_unit="token", target_low=0.01, target_high=0.15)
+    th = health_thresholds(dumped)
+    bands = alarm_bands(th.health, np.arange(3.0), cols)
     assert [b.value for b in bands["kl/ref"] if b.field == "kl_climbing.kl_high"] == [0.15]
     dumped["health"]["kl_climbing"]["kl_high"] = 0.4  # set by the user: kept
     assert health_thresholds(dumped).health.kl_climbing.kl_high == 0.4
@@ -448,7 +456,7 @@ def test_kl_high_and_ref_tolerance_filled_in_as_the_trainer_does():
     {}, {"beta": 0.0}, {"controller": "fixed"}, {"controller": "ziegler", "controller_args": {"target": 0.07}},
     {"controller": "warmup", "controller_args": {"steps": 5, "inner": {"kind": "adaptive", "beta": 0.05, "low": 0.01, "high": 0.3}}},
     {"controller": "schedule", "controller_args": {"inner": {"kind": "ziegler", "beta": 0.1, "target": 0.2}}},
-    {"controller": "adaptive", "target_high": 0.25},
+    {"controller": "adaptive", "target_high": 25.0}, {"target_unit": "token", "target_low": 0.01, "target_high": 0.25},
 ])
 def test_kl_target_high_agrees_with_the_trainer(kl):
     from grpokit.config import config_from_dict

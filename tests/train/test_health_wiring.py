@@ -20,10 +20,10 @@ def _health(tmp_path, *over):
 
 
 @pytest.mark.parametrize("over, kl_high", [
-    ([], 0.1),                                                              # adaptive: target_high
-    (["health.kl_climbing.action=stop"], 0.1),                              # another field set
+    ([], 10.0),                                                             # adaptive: target_high
+    (["health.kl_climbing.action=stop"], 10.0),                             # another field set
     (["health.kl_climbing.kl_high=0.5"], 0.5),                              # set by the user
-    (["algorithm.kl.target_high=0.3"], 0.3),
+    (["algorithm.kl.target_high=30"], 30.0),
     (["algorithm.kl.controller=ziegler", "algorithm.kl.controller_args={target: 0.2}"], 0.2),
     (["algorithm.kl.controller=fixed"], None),                              # no target range
     (["algorithm.kl.controller=schedule"], None),
@@ -35,6 +35,9 @@ def _health(tmp_path, *over):
 def test_kl_high_comes_from_the_controllers_target_unless_set(tmp_path, over, kl_high):
     h = _health(tmp_path, *over)
     assert h.kl_climbing.kl_high == kl_high
+    if kl_high is not None and "health.kl_climbing.kl_high=0.5" not in over:
+        assert h.kl_climbing.unit == "sequence"                             # the controller's unit
+    assert _health(tmp_path, "algorithm.kl.target_unit=token", "algorithm.kl.target_low=0.01").kl_climbing.unit == "token"
     if "health.kl_climbing.action=stop" in over:
         assert h.kl_climbing.action == "stop"
 
@@ -84,7 +87,7 @@ def test_every_logged_metric_is_in_the_one_documented_table(setup):
         "algorithm.kl.ref_cache": 64, "train.steps": 1, "guard.ref_check_every": 1}))
     tr = build_trainer(cfg)
     tr.train()
-    row = tr.sink.path.read_text().splitlines()[-1]
+    row = tr.run.sink.path.read_text().splitlines()[-1]
     logged = set(json.loads(row)) - {"step", "time"}
     names = {re.sub(r"^reward/(test_varied|exact_match)/", "reward/<fn>/", k) for k in logged}
     assert names <= _documented_metrics(), sorted(names - _documented_metrics())
