@@ -157,33 +157,13 @@ def kl_target_high(config: Mapping[str, Any]) -> float | None:
     (``grpokit.train.kl_target_high``), worked out from a config.yaml mapping without importing
     the trainer: the adaptive controller's upper target, Ziegler's target (also under a warm-up or
     schedule wrapper), None for the others, with beta = 0, or when the config does not validate."""
-    from grpokit.algo.control import AdaptiveKL, ZieglerKL, build_controller
     from grpokit.config import ConfigError, config_from_dict
+    from grpokit.train.kl_control import kl_target_high as trainer_kl_target_high
 
     try:
-        cfg = config_from_dict(dict(config))
-        k = cfg.algorithm.kl
-        if k.beta == 0:
-            return None
-        args = dict(k.controller_args)
-        if k.controller == "adaptive":
-            args = {"low": k.target_low, "high": k.target_high, "factor": k.adapt_factor, **args}
-        if k.controller in ("warmup", "schedule"):
-            args.setdefault("inner", {"kind": "fixed", "beta": k.beta})
-            if k.controller == "schedule":
-                args.setdefault("total_steps", cfg.train.steps)
-            ctl = build_controller(k.controller, **args)
-        else:
-            ctl = build_controller(k.controller, beta=k.beta, **args)
+        return trainer_kl_target_high(config_from_dict(dict(config)))
     except (ConfigError, ValueError, TypeError):
         return None
-    while hasattr(ctl, "inner"):
-        ctl = ctl.inner
-    if isinstance(ctl, AdaptiveKL):
-        return ctl.high
-    if isinstance(ctl, ZieglerKL):
-        return ctl.target
-    return None
 
 
 @dataclasses.dataclass(frozen=True)

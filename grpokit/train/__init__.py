@@ -27,6 +27,7 @@ def build_health(cfg):
     for `ref_drift.tolerance`. Each field is checked on its own, so setting another field of the same
     alarm (e.g. `health.kl_climbing.action=stop`) keeps the filled-in value."""
     from grpokit.monitor.health import HealthConfig, HealthMonitor
+    from grpokit.train.kl_control import kl_target_high
 
     h = cfg.health.model_dump()
     if "kl_high" not in cfg.health.kl_climbing.model_fields_set:
@@ -36,23 +37,6 @@ def build_health(cfg):
     if "tolerance" not in cfg.health.ref_drift.model_fields_set:
         h["ref_drift"]["tolerance"] = cfg.guard.ref_tolerance
     return HealthMonitor(HealthConfig(**h), cfg.train.run_dir, print_fn=log.warning)
-
-
-def kl_target_high(cfg) -> float | None:
-    """The upper end of the KL controller's target: `high` of the adaptive controller, `target` of
-    Ziegler's, also when a warm-up or schedule wraps one; None for the others (fixed, or a wrapper
-    around fixed), which aim at no KL value, and when beta = 0 (no reference)."""
-    from grpokit.algo.control import AdaptiveKL, ZieglerKL
-    from grpokit.train.build import build_kl_controller
-
-    ctl = build_kl_controller(cfg)
-    while hasattr(ctl, "inner"):                 # warmup / schedule scale an inner controller's beta
-        ctl = ctl.inner
-    if isinstance(ctl, AdaptiveKL):
-        return ctl.high
-    if isinstance(ctl, ZieglerKL):
-        return ctl.target
-    return None
 
 
 def build_trainer(cfg, *, model=None, tokenizer=None, health=True, dataset=None, eval_dataset=None):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from grpokit.algo.control import build_controller
 from grpokit.train import lora, model as model_lib
 from grpokit.train.model import ModelLoadError, _check_dir
 from grpokit.train.reference import Reference
@@ -96,21 +95,3 @@ def batch_advice(cfg) -> str | None:
             "that give smooth curves (docs/training.md, practitioner's rules): expect noisy metrics and "
             "alarms; raise rollout.batch_size (optim.micro_batch_size bounds the memory), or set "
             "train.batch_advice=false")
-
-
-def build_kl_controller(cfg):
-    """The KL coefficient's controller from `algorithm.kl` (grpokit.algo.control): fixed at 0 when
-    beta = 0; the adaptive controller's band and step factor from the config unless its
-    `controller_args` say otherwise; warm-up and schedule wrap a fixed beta unless given `inner`."""
-    k = cfg.algorithm.kl
-    if k.beta == 0:
-        return build_controller("fixed", beta=0.0)
-    args = dict(k.controller_args)
-    if k.controller == "adaptive":
-        args = {"low": k.target_low, "high": k.target_high, "factor": k.adapt_factor, **args}
-    if k.controller in ("warmup", "schedule"):
-        args.setdefault("inner", {"kind": "fixed", "beta": k.beta})
-        if k.controller == "schedule":
-            args.setdefault("total_steps", cfg.train.steps)
-        return build_controller(k.controller, **args)
-    return build_controller(k.controller, beta=k.beta, **args)

@@ -36,7 +36,8 @@ from grpokit.rollout.base import NonFiniteLogits, RolloutBatch, SamplingParams
 from grpokit.rollout.registry import build_engine
 from grpokit.train import batch as batch_lib
 from grpokit.train.batch import Batch
-from grpokit.train.build import batch_advice, build_kl_controller, reference_for
+from grpokit.train.build import batch_advice, reference_for
+from grpokit.train.kl_control import build_kl_controller
 from grpokit.train.checkpoint import load_state, load_weights
 from grpokit.train.evaluate import held_out
 from grpokit.train.guard import Guard

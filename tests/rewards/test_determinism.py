@@ -25,18 +25,6 @@ PID_CHECKER = ("import json, os, sys\nprint('ready', flush=True)\nfor line in sy
                "    print(json.dumps({'id': req['id'], 'pid': os.getpid()}), flush=True)\n")
 
 
-@pytest.fixture
-def temp_rewards():
-    added = []
-
-    def add(name, fn):
-        register(name)(fn)
-        added.append(name)
-        return fn
-
-    yield add
-    for name in added:
-        REGISTRY.pop(name, None)
 
 
 def _gone(pid: int) -> bool:

@@ -17,18 +17,6 @@ from grpokit.rewards import REGISTRY, CrossCheck, RewardSet, RewardSpec, get, re
 from tests.rewards.clocks import under_load
 
 
-@pytest.fixture
-def temp_rewards():
-    added = []
-
-    def add(name, fn):
-        register(name)(fn)
-        added.append(name)
-        return fn
-
-    yield add
-    for name in added:
-        REGISTRY.pop(name, None)
 
 
 def cols(n, **extra):
