@@ -63,10 +63,6 @@ class Batch:
             at.setdefault(g, []).append(i)
         return list(at.values())
 
-    def row_logp(self, which: str, i: int) -> torch.Tensor:
-        """Row i of a [B, T] log-prob tensor, cut to its completion length."""
-        return getattr(self, which)[i, :int(self.mask[i].sum())]
-
 
 def from_rollout(rb: RolloutBatch, prompt_index: list[int], rows: list[dict], group_size: int, *,
                  step: int = 0, first_group: int = 0) -> Batch:

@@ -172,6 +172,7 @@ class Trainer:
         rounds = cfg.rollout.max_sampling_rounds if self.dynamic is not None else 1
         kept: list[Batch] = []
         n_kept, t_roll, t_rew = 0, 0.0, 0.0
+        self._engine_memory("resume_memory")          # a colocated engine gets its memory back
         for r in range(rounds):
             idx = self.draw_prompts(P)
             rows = [self.dataset[i] for i in idx]
@@ -190,11 +191,18 @@ class Trainer:
                 n_kept += len(good.groups)
             if n_kept >= P:
                 break
+        self._engine_memory("release_memory")         # ... and gives it to the update
         metrics = {"time/rollout": t_roll, "time/reward": t_rew, "dynamic/rounds": float(r + 1),
                    "dynamic/kept_groups": float(n_kept if self.dynamic is not None else P)}
         batch = batch_lib.concat(kept or [fresh], self.tokenizer.pad_token_id)
         metrics.update(batch_lib.merged_reward_metrics(kept or [fresh]))
         return batch, metrics
+
+    def _engine_memory(self, what: str) -> None:
+        """Call the engine's optional `release_memory` / `resume_memory` when it has one."""
+        fn = getattr(self.engine, what, None)
+        if fn is not None:
+            fn()
 
     def old_logprobs(self, batch: Batch) -> dict[str, float]:
         """pi_old for the ratio. Over-confidence resampling: the distribution actually sampled from

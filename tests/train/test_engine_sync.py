@@ -82,3 +82,37 @@ def test_unknown_engine_is_a_config_error(setup):
     root, model_dir, train, _ = setup
     with pytest.raises(Exception, match="engine"):
         load_config(None, small_overrides(model_dir, train, root / "bad", **{"rollout.engine": "vlm"}))
+
+
+def test_the_driver_frees_and_restores_engine_memory_around_each_rollout(setup):
+    """`resume_memory` before generating, `release_memory` after: in that order, once per step; an
+    engine without them (only `generate`) works too."""
+    tr = _trainer(setup, "memory", **{"rollout.engine": "hf", "train.steps": 1})
+    calls = []
+
+    class Spy:
+        owns_weights = False
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def generate(self, *a, **k):
+            calls.append("generate")
+            return self.inner.generate(*a, **k)
+
+        def release_memory(self):
+            calls.append("release")
+
+        def resume_memory(self):
+            calls.append("resume")
+
+    tr.engine = Spy(tr.engine)
+    tr.step()
+    assert calls == ["resume", "generate", "release"]
+
+    class Bare:
+        def __init__(self, inner):
+            self.generate = inner.generate
+
+    tr.engine = Bare(tr.engine.inner)
+    assert tr.step()["optim/grad_norm"] >= 0
