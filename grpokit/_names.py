@@ -1,5 +1,5 @@
-"""One helper for every "did you mean" hint and every registry lookup: an unknown name fails with
-the closest valid one."""
+"""One helper for every "did you mean" hint, every registry lookup (an unknown name fails with the
+closest valid one) and every registration."""
 
 from __future__ import annotations
 
@@ -29,3 +29,15 @@ def lookup(table: Mapping[str, T], name, what: str, *, listing: str = "known") -
     except (KeyError, TypeError):  # TypeError: an unhashable name (a list from YAML)
         raise ValueError(f"unknown {what} {name!r}{did_you_mean(name, table)} "
                          f"({listing}: {', '.join(sorted(table))})") from None
+
+
+def register(table: dict, name: str, obj=None, *, what: str, overwrite: bool = False):
+    """Add `obj` to a registry `table` under `name`, or, with `obj` None, return a decorator that
+    does. A name already taken is a ValueError unless `overwrite`. Every registry's `register_*`
+    is this."""
+    def _add(o):
+        if name in table and not overwrite:
+            raise ValueError(f"{what} {name!r} is already registered")
+        table[name] = o
+        return o
+    return _add if obj is None else _add(obj)

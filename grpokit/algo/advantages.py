@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from grpokit._names import lookup
+from grpokit._names import lookup, register
 from torch import Tensor
 
 __all__ = [
@@ -46,14 +46,7 @@ def register_estimator(name: str, fn: Estimator | None = None, *, overwrite: boo
 
     Usable as ``register_estimator("x", fn)`` or as a decorator ``@register_estimator("x")``.
     """
-
-    def _add(f: Estimator) -> Estimator:
-        if name in ESTIMATORS and not overwrite:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ESTIMATORS[name] = f
-        return f
-
-    return _add if fn is None else _add(fn)
+    return register(ESTIMATORS, name, fn, what="advantage estimator", overwrite=overwrite)
 
 
 def _lookup(name: str) -> Estimator:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any, Protocol, runtime_checkable
 
-from grpokit._names import lookup
+from grpokit._names import lookup, register
 
 __all__ = [
     "AdaptiveKL",
@@ -347,14 +347,7 @@ def register_controller(name: str, cls: type | None = None, *, overwrite: bool =
     """Register a controller class under ``name`` (also a decorator). ``cls(beta=..., **args)``
     must build a ``KLController``; config selects it with ``algorithm.kl.controller: name`` and
     passes ``algorithm.kl.controller_args`` as its arguments."""
-
-    def _add(c: type) -> type:
-        if name in CONTROLLERS and CONTROLLERS[name] is not c and not overwrite:
-            raise ValueError(f"KL controller {name!r} is already registered")
-        CONTROLLERS[name] = c
-        return c
-
-    return _add if cls is None else _add(cls)
+    return register(CONTROLLERS, name, cls, what="KL controller", overwrite=overwrite)
 
 
 def build_controller(kind: str, **kwargs: Any) -> KLController:

@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from grpokit._names import lookup
+from grpokit._names import lookup, register
 from torch import Tensor
 
 __all__ = ["KINDS", "estimate", "kl_in_reward", "register_kind"]
@@ -45,14 +45,7 @@ KINDS: dict[str, Callable[..., Tensor]] = {}
 
 def register_kind(name: str, fn=None, *, overwrite: bool = False):
     """Register ``fn(logp, ref_logp, *, clamp, old_logp=None) -> Tensor`` (also a decorator)."""
-
-    def _add(f):
-        if name in KINDS and not overwrite:
-            raise ValueError(f"KL kind {name!r} is already registered")
-        KINDS[name] = f
-        return f
-
-    return _add if fn is None else _add(fn)
+    return register(KINDS, name, fn, what="KL kind", overwrite=overwrite)
 
 
 def _lookup(name: str):

@@ -36,7 +36,7 @@ from typing import Callable
 
 import torch
 
-from grpokit._names import lookup
+from grpokit._names import lookup, register
 from torch import Tensor
 
 from grpokit.algo.kl import check_logp
@@ -53,14 +53,7 @@ AGGREGATIONS: dict[str, Callable[..., Tensor]] = {}
 
 def register_aggregation(name: str, fn=None, *, overwrite: bool = False):
     """Register ``fn(masked_loss, mask, *, num_tokens, num_seqs, max_len) -> scalar``."""
-
-    def _add(f):
-        if name in AGGREGATIONS and not overwrite:
-            raise ValueError(f"aggregation {name!r} is already registered")
-        AGGREGATIONS[name] = f
-        return f
-
-    return _add if fn is None else _add(fn)
+    return register(AGGREGATIONS, name, fn, what="aggregation", overwrite=overwrite)
 
 
 def _lookup(name: str):

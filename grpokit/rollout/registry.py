@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
-from grpokit._names import lookup
+from grpokit._names import lookup, register
 
 __all__ = ["ENGINES", "EngineFactory", "build_engine", "get_engine", "register_engine"]
 
@@ -21,14 +21,7 @@ ENGINES: dict[str, EngineFactory] = {}
 
 def register_engine(name: str, factory: EngineFactory | None = None, *, overwrite: bool = False):
     """Register `factory(model, tokenizer, **options) -> engine` under `name` (also a decorator)."""
-
-    def _add(f: EngineFactory) -> EngineFactory:
-        if name in ENGINES and ENGINES[name] is not f and not overwrite:
-            raise ValueError(f"rollout engine {name!r} is already registered")
-        ENGINES[name] = f
-        return f
-
-    return _add if factory is None else _add(factory)
+    return register(ENGINES, name, factory, what="rollout engine", overwrite=overwrite)
 
 
 def get_engine(name: str) -> EngineFactory:

@@ -255,12 +255,17 @@ def wandb_offline(tmp_path, monkeypatch):
     assert not set(_children()) - before, "a W&B process outlived the test"
 
 
-def test_wandb_offline_round_trip(tmp_path, wandb_offline):
-    run_dir = tmp_path / "runs" / "grpo"
-    sink = MetricSink(run_dir, tensorboard=False, backends=[WandbSink(run_dir, config={"seed": 7})])
+def _log_rows(run_dir, backend) -> None:
+    """ROWS through a MetricSink with `backend` beside metrics.jsonl, then closed."""
+    sink = MetricSink(run_dir, tensorboard=False, backends=[backend])
     for step, metrics in ROWS:
         sink.write(step, metrics)
     sink.close()
+
+
+def test_wandb_offline_round_trip(tmp_path, wandb_offline):
+    run_dir = tmp_path / "runs" / "grpo"
+    _log_rows(run_dir, WandbSink(run_dir, config={"seed": 7}))
     [(history, config, info)] = _wandb_runs(wandb_offline, run_dir)
     assert _same(history, _history(ROWS)), history
     assert (info["name"], info["project"], config["seed"]) == ("grpo", "grpokit", 7)
@@ -270,10 +275,7 @@ def test_wandb_offline_round_trip(tmp_path, wandb_offline):
 
 def test_wandb_resume_is_a_new_run_from_the_checkpoint_step(tmp_path, wandb_offline):
     run_dir = tmp_path / "run"
-    first = MetricSink(run_dir, tensorboard=False, backends=[WandbSink(run_dir, run_name="exp")])
-    for step, metrics in ROWS:
-        first.write(step, metrics)
-    first.close()
+    _log_rows(run_dir, WandbSink(run_dir, run_name="exp"))
     again = MetricSink(run_dir, tensorboard=False, backends=[WandbSink(run_dir, run_name="exp")])
     again.truncate_after(2)                                   # what Trainer.resume does
     redone = [(3, {"loss/total": 4.0}), (4, {"loss/total": 8.0})]
@@ -314,10 +316,7 @@ def _mlflow_history(client, run, keys) -> dict[str, list[tuple[int, float]]]:
 
 def test_mlflow_file_store_round_trip(tmp_path, mlflow_local):
     run_dir = tmp_path / "runs" / "grpo"
-    sink = MetricSink(run_dir, tensorboard=False, backends=[MLflowSink(run_dir, config={"seed": 7})])
-    for step, metrics in ROWS:
-        sink.write(step, metrics)
-    sink.close()
+    _log_rows(run_dir, MLflowSink(run_dir, config={"seed": 7}))
     client = mlflow_local(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
     [run] = _mlflow_runs(client)
     expected = _history(ROWS)
@@ -336,10 +335,7 @@ def test_mlflow_resume_is_a_new_run_and_the_tracking_uri_is_respected(tmp_path, 
     elsewhere = (tmp_path / "store").resolve().as_uri()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", elsewhere)
     run_dir = tmp_path / "run"
-    first = MetricSink(run_dir, tensorboard=False, backends=[MLflowSink(run_dir, experiment="exp", run_name="r")])
-    for step, metrics in ROWS:
-        first.write(step, metrics)
-    first.close()
+    _log_rows(run_dir, MLflowSink(run_dir, experiment="exp", run_name="r"))
     again = MetricSink(run_dir, tensorboard=False, backends=[MLflowSink(run_dir, experiment="exp", run_name="r")])
     again.truncate_after(2)
     again.write(3, {"loss/total": 4.0})
