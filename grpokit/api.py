@@ -32,10 +32,7 @@ Bad input is a one-line `ConfigError` / `DataError` (both `ValueError`s) when th
 from __future__ import annotations
 
 import copy
-import functools
-import inspect
 import os
-import re
 import sys
 from collections.abc import Callable, Mapping
 from numbers import Real
@@ -45,14 +42,9 @@ from grpokit.config import Config, ConfigError, config_from_dict, read_configs, 
 from grpokit.data.datasets import DataError, PromptDataset, load_prompts, prompts_from_rows
 from grpokit.rewards import REGISTRY, get
 from grpokit.rewards.registry import registered_while
+from grpokit.rewards.user import adapt as _adapt, check_columns, reward_name as _reward_name
 
 __all__ = ["GRPO"]
-
-PASSED_COLUMNS = ("completion_length", "finish_reason", "group_id", "max_new_tokens")
-"""Columns the trainer adds to every dataset row's columns when it calls a reward."""
-
-_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
 class GRPO:
@@ -101,8 +93,6 @@ class GRPO:
             train_ds = self._prompts(dataset if dataset is not None else d.path, "dataset")
             held = eval_dataset if eval_dataset is not None else (d.eval_path or None)
             eval_ds = self._prompts(held, "eval_dataset") if held is not None else None
-            self._check_rewards(train_ds, "dataset")
-            self._check_rewards(eval_ds, "eval_dataset")
             if loaded is not None and tokenizer is None:
                 tokenizer = _tokenizer_of(loaded, self.config)
             from grpokit.train import build_trainer
@@ -159,18 +149,9 @@ class GRPO:
                                  answer_field=d.answer_field)
 
     def _check_rewards(self, prompts, what: str) -> None:
-        """Every parameter a reward function requires must be a column it will be given."""
-        if prompts is None:
-            return
-        columns = {c for row in prompts.rows for c in row if c != "prompt"} | set(PASSED_COLUMNS)
-        for spec in self.config.rewards:
-            caller = getattr(self._reward_fns[spec.name], "_grpokit_caller", None)
-            if caller is None:                              # a registered reward: its own business
-                continue
-            missing = [n for n in caller.required if n not in columns and n not in spec.args]
-            if missing:
-                raise ConfigError(f"reward {spec.name!r} needs {missing[0]!r}, which is neither a column of "
-                                  f"{what} nor one the trainer passes (columns: {', '.join(sorted(columns))})")
+        """Every column a reward reads must be a column of `prompts` (or one the trainer passes)."""
+        if prompts is not None:
+            check_columns(self.config.rewards, prompts.rows, what, fns=self._reward_fns)
 
 
 # ---------------------------------------------------------------------- config
@@ -229,64 +210,6 @@ def _reward_specs(rewards) -> tuple[list[dict], list[tuple[str, Callable]]]:
                               f"(reward, weight) pair or a spec dict; got {type(reward).__name__} {reward!r}")
         specs.append(spec)
     return specs, fns
-
-
-def _reward_name(fn) -> str:
-    """A metric-friendly name for a callable: its own name, else its class name, else `reward`."""
-    f = fn.func if isinstance(fn, functools.partial) else fn
-    name = getattr(f, "__name__", None) or type(f).__name__
-    name = re.sub(r"\W+", "_", str(name)).strip("_")
-    return "reward" if name in ("", "lambda") else name
-
-
-class _Caller:
-    """How a user's reward function is called: by keyword (it has a `completions` parameter, as in
-    TRL) or positionally (grpokit's `fn(prompts, completions, **columns)`), with the columns it
-    names (all of them when it takes **kwargs); `required` are the columns it cannot do without."""
-
-    def __init__(self, fn):
-        try:
-            params = dict(inspect.signature(fn).parameters)
-        except (TypeError, ValueError):                     # no signature (a builtin): grpokit's call
-            params = None
-        self.all_columns = params is None or any(p.kind is p.VAR_KEYWORD for p in params.values())
-        self.names = set() if params is None else {n for n, p in params.items() if p.kind in _NAMED}
-        self.by_keyword = "completions" in self.names
-        self.required: list[str] = []
-        if params is None:
-            return
-        if self.by_keyword:
-            rest = [p for n, p in params.items() if n not in ("prompts", "completions")]
-        else:
-            positional = [p for p in params.values() if p.kind in _POSITIONAL]
-            if len(positional) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in params.values()):
-                raise ConfigError(f"reward function {_reward_name(fn)!r} must take (prompts, completions, "
-                                  f"**columns), or TRL's (completions, **kwargs)")
-            rest = positional[2:] + [p for p in params.values() if p.kind is p.KEYWORD_ONLY]
-        self.required = [p.name for p in rest if p.kind in _NAMED and p.default is p.empty]
-
-    def __call__(self, fn, prompts, completions, columns):
-        if not self.all_columns:
-            columns = {k: v for k, v in columns.items() if k in self.names}
-        if self.by_keyword:
-            kw = {**columns, "completions": completions}
-            if self.all_columns or "prompts" in self.names:
-                kw["prompts"] = prompts
-            return fn(**kw)
-        return fn(prompts, completions, **columns)
-
-
-def _adapt(fn) -> Callable[..., list]:
-    """`fn` behind grpokit's reward signature (see `_Caller`); `inspect.signature` of the result is
-    `fn`'s, so config `args` are checked against `fn`'s own parameters."""
-    caller = _Caller(fn)
-
-    @functools.wraps(fn)
-    def reward(prompts, completions, **columns):
-        return caller(fn, prompts, completions, columns)
-
-    reward._grpokit_caller = caller
-    return reward
 
 
 # ---------------------------------------------------------------------- model

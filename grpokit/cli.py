@@ -12,6 +12,8 @@ import logging
 import sys
 from pathlib import Path
 
+from grpokit.errors import ConfigError
+
 EXAMPLES = """examples:
   grpokit demo                                   # the embedded demo (tiny model, arithmetic)
   grpokit demo --quick                           # about a minute
@@ -25,7 +27,6 @@ EXAMPLES = """examples:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from grpokit.config import ConfigError
     from grpokit.data.datasets import DataError
     from grpokit.train.model import ModelLoadError
     return (ConfigError, DataError, ModelLoadError, FileNotFoundError)
@@ -35,10 +36,12 @@ def cmd_train(args) -> int:
     from grpokit.config import load_config
     from grpokit.train import build_trainer
 
+    from grpokit.train.checkpoint import nothing_to_resume
+
     cfg = load_config(args.config, args.overrides)
+    if args.resume and (problem := nothing_to_resume(cfg.train.run_dir)):
+        raise ConfigError(problem)          # before the model loads
     trainer = build_trainer(cfg)
-    if args.resume and not (Path(cfg.train.run_dir) / "checkpoints").is_dir():
-        print(f"note: --resume: no checkpoint in {cfg.train.run_dir}; starting fresh", file=sys.stderr)
     try:
         if cfg.train.progress:
             from grpokit.cli_progress import StepProgress
@@ -65,21 +68,23 @@ def _write_report(run_dir) -> None:
 
 def cmd_eval(args) -> int:
     from grpokit.config import load_config
-    from grpokit.data.datasets import PromptDataset, load_prompts
-    from grpokit.train import build_rewards
+    from grpokit.data.datasets import PromptDataset
+    from grpokit.train import build_rewards, load_datasets
     from grpokit.rollout.registry import build_engine
     from grpokit.train.build import load_model, load_tokenizer
     from grpokit.train.evaluate import evaluate
-    from grpokit.train.prompts import PromptEncoder
+    from grpokit.train.prompts import PromptEncoder, check_prompts, max_positions
 
-    over = [f"model.path={args.model}", f"data.path={args.data}"] + args.overrides
+    over = [f"model.path={args.model}", f"data.path={args.data}", "data.eval_path="] + args.overrides
     cfg = load_config(args.config, over)
+    ds, _ = load_datasets(cfg)         # with the columns the rewards read, before the model loads
     tok = load_tokenizer(args.model)
     model = load_model(args.model, dtype=cfg.model.dtype, device=cfg.model.device)
-    ds = load_prompts(args.data, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field)
+    encoder = PromptEncoder(tok, cfg.data.chat_template)
+    check_prompts(encoder, ds.rows, ds.source, max_new_tokens=cfg.rollout.max_new_tokens, positions=max_positions(model))
     rewards = build_rewards(cfg)
     import torch
-    res = evaluate(build_engine(cfg.rollout.engine, model, tok), PromptEncoder(tok, cfg.data.chat_template), rewards,
+    res = evaluate(build_engine(cfg.rollout.engine, model, tok), encoder, rewards,
                    PromptDataset(ds.rows), cfg, samples=args.samples, generator=torch.Generator().manual_seed(cfg.train.seed))
     print(json.dumps({"model": args.model, "data": args.data, "prompts": len(ds), **res}, indent=2))
     return 0
@@ -89,6 +94,8 @@ def cmd_demo(args) -> int:
     from grpokit.demo import run_demo
 
     grpo_dir = Path(args.run_dir) / "grpo"
+    if Path(args.run_dir).exists() and not Path(args.run_dir).is_dir():
+        raise ConfigError(f"--run-dir {args.run_dir} is a file, not a directory")
     try:
         run_demo(quick=args.quick, control=args.control, seed=args.seed, run_dir=args.run_dir,
                  overrides=args.overrides, progress=not args.no_progress)
@@ -156,10 +163,29 @@ def _has_cuda() -> bool:
 def cmd_report(args) -> int:
     from grpokit.monitor.report import write_report
 
-    if not Path(args.run_dir).is_dir():
-        raise FileNotFoundError(f"run directory not found: {args.run_dir}")
-    print(write_report(args.run_dir))
+    run = Path(args.run_dir)
+    if not run.exists():
+        raise ConfigError(f"run directory not found: {run}")
+    if not run.is_dir():
+        raise ConfigError(f"{run} is a file; grpokit report takes a run directory (train.run_dir)")
+    metrics = run / "metrics.jsonl"
+    if not metrics.is_file():
+        raise ConfigError(f"{run} is not a run directory: no metrics.jsonl (give the train.run_dir of a run)")
+    if not metrics.read_text().strip():
+        raise ConfigError(f"{metrics} is empty: the run has not finished a step yet")
+    print(write_report(run))
     return 0
+
+
+def _count(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", required=True)
     e.add_argument("--data", required=True)
     e.add_argument("--config", default=None, help="config whose rewards/rollout settings to use")
-    e.add_argument("--samples", type=int, default=0, help="also sampled mean@k with k samples")
+    e.add_argument("--samples", type=_count, default=0, help="also sampled mean@k with k samples")
     e.add_argument("overrides", nargs="*")
     e.set_defaults(fn=cmd_eval)
 
@@ -202,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     pm.add_argument("config", nargs="+", help="config file(s) or preset names, then key.sub=value overrides")
     pm.add_argument("--budget", default=None, help="memory to fit, e.g. 24GiB (default: this GPU's or RAM's size)")
     pm.add_argument("--device", choices=["cpu", "cuda"], default=None, help="plan for this device (default: model.device)")
-    pm.add_argument("--prompt-tokens", type=int, default=None,
+    pm.add_argument("--prompt-tokens", type=_count, default=None,
                     help="longest prompt in tokens (default: measured on data.path, else 256)")
     pm.add_argument("--apply", action="store_true", help="write the first fitting configuration as a YAML file")
     pm.add_argument("--out", default=None, help="where --apply writes (default: CONFIG.fit.yaml here)")
@@ -232,7 +258,11 @@ def _quiet_transformers() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.cmd in ("train", "plan-memory") and all("=" in a for a in extra):
+        args.config += extra            # overrides after a flag: `train cfg.yaml --resume key=value`
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _split_train_args(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not args.debug:

@@ -12,6 +12,7 @@ it and exits with code 2.
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -70,9 +71,12 @@ def _engines():
     return ENGINES
 
 
-def _rewards():
-    from grpokit.rewards import REGISTRY
-    return REGISTRY
+def _reward(name: str) -> str:
+    """A registered reward, or an import reference (`my_rewards:score`, `path/to/file.py:score`),
+    imported and registered here (grpokit.rewards.user)."""
+    from grpokit.rewards import resolve
+    resolve(name)
+    return name
 
 
 AdvantageName = _registered("advantage estimator", _estimators)
@@ -80,7 +84,7 @@ AggregationName = _registered("loss aggregation", _aggregations)
 KLKindName = _registered("KL estimator", _kl_kinds)
 ControllerName = _registered("KL controller", _controllers)
 EngineName = _registered("rollout engine", _engines)
-RewardName = _registered("reward", _rewards, listing="registered")
+RewardName = Annotated[str, AfterValidator(_reward)]
 
 
 class _Section(BaseModel):
@@ -94,6 +98,14 @@ class ModelConfig(_Section):
     """Weights dtype; `auto` is float32 on CPU and bfloat16 on a CUDA GPU."""
     device: str = "auto"
     """`auto` (CUDA when available, else CPU), `cpu` or `cuda[:N]`."""
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if value != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?|mps|xpu(:\d+)?", value):
+            raise ValueError(f"unknown device {value!r}{did_you_mean(value, ['auto', 'cpu', 'cuda', 'mps', 'xpu'])} "
+                             f"(use auto, cpu, cuda or cuda:N)")
+        return value
     gradient_checkpointing: bool = False
     """Recompute activations in backward (less memory, about 30% more compute)."""
     trust_remote_code: bool = False
@@ -152,7 +164,7 @@ class RolloutConfig(_Section):
     """Truncation C of the importance weights min(pi_old / pi_sampler, C)."""
     group_size: int = 16
     """G: completions sampled per prompt."""
-    batch_size: int = 64
+    batch_size: int = Field(64, ge=1)
     """Completions per step (prompts per step = batch_size / group_size)."""
     temperature: float = Field(0.8, gt=0)
     """Sampling temperature. Log-probs for the loss use logits / temperature, like the sampler."""
@@ -289,7 +301,9 @@ class AlgorithmConfig(_Section):
 
 class RewardSpecConfig(_Section):
     name: RewardName
-    """Registered reward name (`grpokit.rewards.REGISTRY`; add one with `grpokit.rewards.register`)."""
+    """Registered reward name (`grpokit.rewards.REGISTRY`; add one with `grpokit.rewards.register`),
+    or a function of your own by import reference: `my_rewards:score` (a module on sys.path or in
+    the current directory), `my_rewards.score`, or `path/to/file.py:score`."""
     weight: float = 1.0
     """Weight in the summed reward."""
     args: dict[str, Any] = {}
@@ -302,6 +316,18 @@ class RewardSpecConfig(_Section):
     while a batch over the budget would score None). `null`: no budget (a hanging reward then
     stalls training; only for a reward that must run in the main thread, e.g. one that sets signal
     handlers)."""
+
+    @model_validator(mode="after")
+    def _args_fit(self):
+        """The args must be the reward's own parameters, of the right types, and the columns it
+        will read must be nameable (e.g. length_group's verifier must exist): checked now, not at
+        the first scoring."""
+        from grpokit.rewards import check_args, required_columns, resolve
+
+        fn = resolve(self.name)
+        check_args(self.name, fn, self.args)
+        required_columns(fn, self.args)
+        return self
 
 
 class CrossCheckConfig(_Section):

@@ -136,7 +136,7 @@ def test_loaded_model_rows_and_evaluate_on_a_given_dataset(model_dir, tmp_path):
     ({"dataset": {"prompt": ["1+1="]}}, DataError, "dataset must be a list of rows"),
     ({"dataset": None}, DataError, "no prompts: pass dataset="),
     ({"rewards": [lambda completions, completion_ids, **kw: [1.0] * len(completions)]}, ConfigError,
-     "reward 'reward' needs 'completion_ids', which is neither a column of dataset"),
+     "reward 'reward' needs the column 'completion_ids', which dataset does not have"),
     ({"rewards": [lambda texts: texts]}, ConfigError, "must take (prompts, completions, **columns)"),
     ({"config": "grpoo"}, ConfigError, "did you mean preset 'grpo'?"),
     ({"overrides": {"rollout.groupsize": 8}}, ConfigError, "did you mean 'rollout.group_size'?"),

@@ -15,6 +15,7 @@ and says whether an alarm configured ``stop`` has fired.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 import math
 import os
@@ -179,6 +180,12 @@ class RefDriftConfig(AlarmConfig):
     """Largest allowed `ref/integrity_drift` (nats); the trainer passes `guard.ref_tolerance`."""
 
 
+class RewardsMissingConfig(AlarmConfig):
+    max_missing: float = Field(0.5, gt=0.0, le=1.0)
+    """Fire when at least this fraction of a step's completions has no reward
+    (`reward/total_nan_frac`: a reward returned None, raised or timed out)."""
+
+
 class HealthConfig(_Strict):
     """Per-alarm settings (the field names are the rule names) and the history the rules see."""
 
@@ -200,6 +207,8 @@ class HealthConfig(_Strict):
     """Policy entropy fallen far below its early value or an absolute floor."""
     ref_drift: RefDriftConfig = Field(default_factory=RefDriftConfig)
     """Reference log-probs changing although the reference must stay frozen."""
+    rewards_missing: RewardsMissingConfig = Field(default_factory=RewardsMissingConfig)
+    """Most of a step's completions without a reward (None, an error or a timeout)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -211,7 +220,8 @@ class Rule:
     fn: Callable[[History, Any], Alarm | None]
     params_type: type[AlarmConfig]
     keys: tuple[str, ...]
-    """The metrics the rule reads: the monitor keeps only these, and the report marks their plots."""
+    """The metrics the rule reads: the monitor keeps only these, and the report marks their plots.
+    A key may hold `*` (`reward/*/none_frac`: every reward's), matched with fnmatch."""
 
 
 RULES: dict[str, Rule] = {}
@@ -547,6 +557,32 @@ def ref_drift(history: History, p: RefDriftConfig) -> Alarm | None:
     )
 
 
+@register_rule("rewards_missing", RewardsMissingConfig, keys=("reward/total_nan_frac", "reward/*/none_frac"))
+def rewards_missing(history: History, p: RewardsMissingConfig) -> Alarm | None:
+    """Most of the latest step's completions without a reward: fire when its
+    ``reward/total_nan_frac`` ≥ max_missing. A completion without a reward gets advantage 0, so
+    such a step teaches (almost) nothing, however healthy its other signals look. Like
+    ``ref_drift`` it reads one step and fires on each step that qualifies; the message names the
+    rewards that scored None (``reward/<name>/none_frac``). Value: the fraction missing.
+    """
+    last = history[-1] if history else {}
+    frac = _num(last.get("reward/total_nan_frac"))
+    if frac is None or frac < p.max_missing:
+        return None
+    culprits = sorted(((v, k[len("reward/"):-len("/none_frac")]) for k, v in last.items()
+                       if k.startswith("reward/") and k.endswith("/none_frac") and (_num(v) or 0) > 0), reverse=True)
+    who = ", ".join(f"{name} {v:.0%}" for v, name in culprits) or "no single reward"
+    return Alarm(
+        "rewards_missing", _step(history), p.action,
+        f"{frac:.0%} of this step's completions have no reward (None per reward: {who}).",
+        "A reward returned None, raised or timed out for these samples, so they get no advantage and "
+        "teach nothing: read the first traceback logged by grpokit.rewards, check that every row has "
+        "the columns the reward reads (e.g. `answer`; data.answer_field renames one) and that the "
+        "reference answers parse, and watch reward/<name>/errors.",
+        frac,
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # Summary and monitor
 
@@ -630,7 +666,9 @@ class HealthMonitor:
         self.config = config
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.print_fn = print_fn if print_fn is not None else print
-        self._keys = frozenset(k for rule in RULES.values() for k in rule.keys)
+        keys = [k for rule in RULES.values() for k in rule.keys]
+        self._keys = frozenset(k for k in keys if "*" not in k)
+        self._patterns = tuple(k for k in keys if "*" in k)
         self._history: list[dict[str, float]] = []
         self._tallies: dict[str, AlarmTally] = {}
         self._printed: set[str] = set()
@@ -663,7 +701,9 @@ class HealthMonitor:
             self._n_steps -= 1
         self._n_steps += 1
         entry: dict[str, float] = {"step": step}
-        for key in self._keys.intersection(metrics):
+        for key in metrics:
+            if key not in self._keys and not any(fnmatch.fnmatchcase(key, pat) for pat in self._patterns):
+                continue
             v = metrics[key]
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 entry[key] = float(v)

@@ -22,6 +22,10 @@ Importing this package registers the built-ins (cheap: no process starts until a
 `check_determinism` / `check_rows` (determinism.py) warn about rewards that score the same
 completion differently from one call to the next.
 
+A `rewards:` entry may also name a user's function by import reference (`my_rewards:score`, TRL's
+`my_rewards.score`, or `path/to/file.py:score`); `user.py` imports and checks it, and lists the
+dataset columns each reward needs (`required_columns`, `check_columns`).
+
 See docs/rewards.md for formulas, known holes and the sandbox threat model.
 """
 
@@ -32,9 +36,10 @@ from .determinism import check_determinism, check_rows, probe_batch
 from .math import verify
 from .penalties import is_truncated
 from .registry import REGISTRY, RewardFn, get, read_column, register
+from .user import check_columns, required_columns, resolve
 
 __all__ = [
-    "REGISTRY", "RewardFn", "register", "get", "read_column",
+    "REGISTRY", "RewardFn", "register", "get", "read_column", "resolve", "required_columns", "check_columns",
     "RewardSpec", "RewardSet", "RewardOutput", "CrossCheck", "check_args",
     "check_determinism", "check_rows", "probe_batch",
     "verify", "run_tests", "run_tests_batch", "CodeResult", "extract_code", "is_truncated",

@@ -33,14 +33,14 @@ def last_number(text: str) -> float | None:
         return None
 
 
-@register("exact_match")
+@register("exact_match", columns=["{answer_column}"])
 def exact_match(prompts, completions, *, answer_column: str = "answer", **columns) -> list[float | None]:
     """1.0 if the stripped completion equals the stripped answer, else 0.0 (None: no answer)."""
     answers = read_column("exact_match", answer_column, columns, len(completions))
     return [None if a is None else float(str(c).strip() == str(a).strip()) for c, a in zip(completions, answers)]
 
 
-@register("numeric_match")
+@register("numeric_match", columns=["{answer_column}"])
 def numeric_match(prompts, completions, *, answer_column: str = "answer", rel_tol: float = 1e-6,
                   **columns) -> list[float | None]:
     """1.0 if the last number in the completion equals the answer within `rel_tol`, else 0.0
@@ -57,7 +57,7 @@ def numeric_match(prompts, completions, *, answer_column: str = "answer", rel_to
     return out
 
 
-@register("digit_match")
+@register("digit_match", columns=["{answer_column}"])
 def digit_match(prompts, completions, *, answer_column: str = "answer", **columns) -> list[float | None]:
     """Partial credit for short exact answers: the fraction of the answer's characters matched
     position by position (right-aligned, like digits of a number), minus the same fraction for

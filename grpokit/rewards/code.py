@@ -115,7 +115,7 @@ def run_tests_batch(programs: list[str], tests: list, *, max_workers: int | None
     return [done[first[key(i)]] for i in range(len(programs))]
 
 
-@register("code_tests", own_time_limit=True)
+@register("code_tests", own_time_limit=True, columns=["{tests_column}"])
 def code_tests(prompts, completions, *, tests_column: str = "tests", all_or_nothing: bool = False,
                trusted_only: bool = False, timeout_s: float = 5.0, memory_mb: int = 512,
                max_workers: int | None = None, objects_in_sandbox: bool = False, **columns) -> list[float | None]:

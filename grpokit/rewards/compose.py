@@ -52,7 +52,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, 
 
 from grpokit._names import did_you_mean
 
-from .registry import get
+from .user import resolve
 
 logger = logging.getLogger("grpokit.rewards")
 
@@ -219,7 +219,7 @@ class RewardSet:
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ValueError(f"reward(s) listed twice: {sorted(dup)}")
-        fns = [get(s.name) for s in parsed]
+        fns = [resolve(s.name) for s in parsed]
         parsed = [s.model_copy(update={"args": check_args(s.name, f, s.args)}) for s, f in zip(parsed, fns)]
         checker_fn, checker_args = None, None
         if crosscheck is not None and not isinstance(crosscheck, CrossCheck):
@@ -234,7 +234,7 @@ class RewardSet:
             if crosscheck.primary not in names:
                 raise ValueError(f"crosscheck.primary {crosscheck.primary!r} is not among the rewards "
                                  f"{names}{did_you_mean(crosscheck.primary, names)}")
-            checker_fn = get(crosscheck.checker) if isinstance(crosscheck.checker, str) else crosscheck.checker
+            checker_fn = resolve(crosscheck.checker) if isinstance(crosscheck.checker, str) else crosscheck.checker
             if not callable(checker_fn):
                 raise ValueError("crosscheck.checker must be a reward name or a callable")
             cname = crosscheck.checker if isinstance(crosscheck.checker, str) else "checker"

@@ -175,7 +175,7 @@ def _batch(fn, completions, refs, timeout_s) -> list[float | None]:
     return [None if r is None else float(r) for r in res]
 
 
-@register("math_accuracy", own_time_limit=True)
+@register("math_accuracy", own_time_limit=True, columns=["{answer_column}"])
 def math_accuracy(prompts, completions, *, answer_column: str = "answer",
                   timeout_s: float = DEFAULT_TIMEOUT_S, **columns) -> list[float | None]:
     """1.0 if the completion's final answer is equivalent to the reference, else 0.0."""
@@ -183,7 +183,7 @@ def math_accuracy(prompts, completions, *, answer_column: str = "answer",
     return _batch(judge, completions, refs, timeout_s)
 
 
-@register("math_accuracy_alt", own_time_limit=True)
+@register("math_accuracy_alt", own_time_limit=True, columns=["{answer_column}"])
 def math_accuracy_alt(prompts, completions, *, answer_column: str = "answer",
                       timeout_s: float = DEFAULT_TIMEOUT_S, **columns) -> list[float | None]:
     """Independent second checker for `CrossCheck` (see the module docstring)."""

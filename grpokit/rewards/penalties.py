@@ -19,7 +19,8 @@ import re
 from collections import defaultdict
 
 from .format import CHECKS
-from .registry import get, register
+from .registry import register
+from .user import resolve
 
 
 def is_truncated(finish_reason) -> bool:
@@ -79,7 +80,16 @@ def ngram_repetition(prompts, completions, *, n: int = 4, unit: str = "word", **
     return [-repetition_rate(c, n, unit) for c in completions]
 
 
-@register("length_group")
+def _verifier_columns(args) -> list[str]:
+    """length_group reads what its verifier reads (and an unknown verifier is named at start)."""
+    if args.get("verifier") is None:
+        return []
+    from .user import required_columns, resolve
+
+    return required_columns(resolve(args["verifier"]), args.get("verifier_args") or {})
+
+
+@register("length_group", columns=_verifier_columns)
 def length_group(prompts, completions, *, verifier: str | None = None, verifier_args: dict | None = None,
                  reward_short: bool = False, completion_length=None, group_id=None,
                  **columns) -> list[float | None]:
@@ -106,7 +116,7 @@ def length_group(prompts, completions, *, verifier: str | None = None, verifier_
     if verifier is None:
         return lam if reward_short else [min(0.0, x) for x in lam]
     cols = dict(columns, completion_length=completion_length, group_id=group_id)
-    correct = get(verifier)(prompts, completions, **(verifier_args or {}), **cols)
+    correct = resolve(verifier)(prompts, completions, **(verifier_args or {}), **cols)
     return [None if c is None else (x if c >= 0.5 else min(0.0, x)) for x, c in zip(lam, correct)]
 
 

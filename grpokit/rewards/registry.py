@@ -8,6 +8,10 @@ returning one score per completion (None = this sample cannot be scored, e.g. no
 `columns` holds every dataset column of the prompt plus `completion_length`, `finish_reason`,
 `group_id` and `max_new_tokens`, each a list aligned with `completions`; config `args` arrive as
 extra keyword arguments. Every reward must accept and ignore columns it does not use.
+
+A reward that reads dataset columns declares them (`columns=`), so a dataset without one is refused
+before the model is loaded (`grpokit.rewards.user.check_columns`); a function that does not declare
+them is read from its signature (its required parameters besides prompts and completions).
 """
 
 from __future__ import annotations
@@ -27,8 +31,13 @@ class RewardFn(Protocol):
 REGISTRY: dict[str, Callable[..., list]] = {}
 
 
-def register(name: str, *, own_time_limit: bool = False):
+def register(name: str, *, own_time_limit: bool = False, columns=None):
     """Decorator: `@register("math_accuracy")` makes the function selectable from config.
+
+    columns: the dataset columns the reward reads, checked against the dataset at start: a list of
+    names, in which `{arg}` stands for the value of the reward's argument `arg` (its default unless
+    config `args` set it; `["{answer_column}"]`), or a callable `args -> list of names`. None:
+    inferred from the signature (grpokit.rewards.user.required_columns).
 
     own_time_limit=True declares that the reward bounds every sample itself (a hard per-sample
     limit after which the sample scores, e.g. 0 for a timeout) and always returns; it then runs
@@ -43,6 +52,8 @@ def register(name: str, *, own_time_limit: bool = False):
         REGISTRY[name] = fn
         fn.reward_name = name
         fn.own_time_limit = bool(own_time_limit)
+        if columns is not None:
+            fn.required_columns = columns if callable(columns) else tuple(columns)
         return fn
 
     return deco

@@ -39,28 +39,48 @@ def build_health(cfg):
     return HealthMonitor(HealthConfig(**h), cfg.train.run_dir, print_fn=log.warning)
 
 
+def load_datasets(cfg, dataset=None, eval_dataset=None):
+    """The training and held-out `PromptDataset`s (`data.path`, `data.eval_path`, or those given),
+    checked to hold every column the configured rewards read (grpokit.rewards.user.check_columns)."""
+    from grpokit.data.datasets import load_prompts
+    from grpokit.rewards import check_columns
+
+    d = cfg.data
+    if dataset is None:
+        dataset = load_prompts(d.path, prompt_field=d.prompt_field, answer_field=d.answer_field)
+    if eval_dataset is None and d.eval_path:
+        eval_dataset = load_prompts(d.eval_path, prompt_field=d.prompt_field, answer_field=d.answer_field)
+    for ds, what in ((dataset, "data.path"), (eval_dataset, "data.eval_path")):
+        if ds is not None:
+            check_columns(cfg.rewards, ds.rows, ds.source or what)
+    return dataset, eval_dataset
+
+
 def build_trainer(cfg, *, model=None, tokenizer=None, health=True, dataset=None, eval_dataset=None):
     """A ready Trainer for `cfg`. `model` / `tokenizer`: already loaded ones instead of `model.path`'s;
     `dataset` / `eval_dataset`: `PromptDataset`s (grpokit.data.datasets) instead of `data.path` /
     `data.eval_path`'s."""
-    from grpokit.data.datasets import load_prompts
-    from grpokit.train.build import build_policy, load_tokenizer
     from grpokit.monitor.sinks import check_sinks
+    from grpokit.train.build import build_policy, load_tokenizer
     from grpokit.train.loop import Trainer
     from grpokit.train.model import check_round_trip
+    from grpokit.train.prompts import PromptEncoder, check_prompts, max_positions
 
     check_sinks(cfg)          # a missing wandb / mlflow package: one line now, before the model loads
+    # the prompts, and the columns the rewards read, are checked before the (slow) model loading
+    dataset, eval_ds = load_datasets(cfg, dataset, eval_dataset)
     m = cfg.model
     if tokenizer is None:
         tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)
     # the policy (LoRA / QLoRA when lora.enabled) and its reference (grpokit.train.reference), or None
     model, reference = build_policy(cfg, model)
-    d = cfg.data
-    dataset = dataset if dataset is not None else load_prompts(d.path, prompt_field=d.prompt_field, answer_field=d.answer_field)
-    eval_ds = eval_dataset if eval_dataset is not None else (
-        load_prompts(d.eval_path, prompt_field=d.prompt_field, answer_field=d.answer_field) if d.eval_path else None)
     sample = [r["prompt"] for r in dataset.rows[:8] if isinstance(r["prompt"], str)]
     check_round_trip(tokenizer, sample)
+    encoder = PromptEncoder(tokenizer, cfg.data.chat_template)
+    for ds, what in ((dataset, "data.path"), (eval_ds, "data.eval_path")):
+        if ds is not None:
+            check_prompts(encoder, ds.rows, ds.source or what, max_new_tokens=cfg.rollout.max_new_tokens,
+                          positions=max_positions(model))
     rewards = build_rewards(cfg)
     monitor = build_health(cfg) if health else None
     return Trainer(cfg, model, tokenizer, dataset, rewards, eval_dataset=eval_ds, health=monitor, reference=reference)

@@ -150,6 +150,19 @@ moved aside (`set_aside_earlier_run`). Checkpoints first: once they are gone, a 
 longer pick up the earlier run, whatever else a kill leaves behind."""
 
 
+def nothing_to_resume(run_dir: Path, flag: str = "--resume") -> str | None:
+    """Why resuming in `run_dir` cannot work, in one line, or None when it can: a complete
+    checkpoint to continue from, or at least an earlier run's output (a run stopped before its
+    first checkpoint starts over, its output moved aside). Resuming into a directory holding
+    neither is a mistaken path or a first run, never a silent fresh start."""
+    run_dir = Path(run_dir)
+    if latest_checkpoint(run_dir) is not None or any((run_dir / n).exists() for n in EARLIER_RUN_OUTPUT):
+        return None
+    where = "does not exist" if not run_dir.exists() else "holds no checkpoint and no earlier run"
+    return (f"{flag}: nothing to resume: {run_dir} {where} (check train.run_dir; "
+            f"to start a fresh run, leave out {flag})")
+
+
 def _new_dir(parent: Path, name: str) -> Path:
     """Create parent/name, or parent/name-1, -2, ... when taken (two starts in one second, or two
     processes at once); never raises for a name that exists."""

@@ -29,6 +29,7 @@ from grpokit.algo import advantages as adv_lib
 from grpokit.algo import kl as kl_lib
 from grpokit.algo import loss as loss_lib
 from grpokit.config import Config
+from grpokit.errors import ConfigError
 from grpokit.data.curriculum import Curriculum
 from grpokit.data.datasets import PromptSampler
 from grpokit.rewards.determinism import check_rows
@@ -38,7 +39,7 @@ from grpokit.train import batch as batch_lib
 from grpokit.train.batch import Batch
 from grpokit.train.build import batch_advice, reference_for
 from grpokit.train.kl_control import build_kl_controller
-from grpokit.train.checkpoint import load_state, load_weights
+from grpokit.train.checkpoint import load_state, load_weights, nothing_to_resume
 from grpokit.train.evaluate import held_out
 from grpokit.train.guard import Guard
 from grpokit.train.prompts import PromptEncoder
@@ -365,6 +366,11 @@ class Trainer:
 
     def train(self, *, resume: bool = False, progress=None) -> dict:
         cfg = self.cfg
+        if resume and self.run.latest() is None:
+            problem = nothing_to_resume(self.run.path, flag="resume=True")
+            if problem is not None:
+                raise ConfigError(problem)
+            log.warning("resume: %s holds no complete checkpoint; starting over from step 0", self.run.path)
         if not (resume and self.resume()):
             self.start_fresh()
         last: dict = {}

@@ -259,16 +259,20 @@ def estimate_config(cfg, *, device: str | None = None, prompt_tokens: int | None
 
 
 def prompt_tokens_of(cfg, *, limit: int = 2000, default: int = 256) -> int:
-    """Longest prompt in tokens among the first `limit` rows of data.path (`default` when unknown)."""
-    try:
-        from grpokit.data.datasets import load_prompts
-        from grpokit.train.build import load_tokenizer
-        from grpokit.train.prompts import PromptEncoder
+    """Longest prompt in tokens among the first `limit` rows of data.path (`default` when data.path
+    is unset or the model has no tokenizer to count with). A data.path that is set but cannot be
+    read is the user's error (DataError), not a reason to plan with a made-up length."""
+    from grpokit.data.datasets import load_prompts
+    from grpokit.train.build import load_tokenizer
+    from grpokit.train.prompts import PromptEncoder
 
-        ds = load_prompts(cfg.data.path, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field)
+    if not cfg.data.path:
+        return default
+    ds = load_prompts(cfg.data.path, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field)
+    try:
         enc = PromptEncoder(load_tokenizer(cfg.model.path), cfg.data.chat_template)
         return max(len(enc.encode(r["prompt"])) for r in ds.rows[:limit])
-    except Exception:  # noqa: BLE001 - no data or tokenizer at hand: a stated default
+    except Exception:  # noqa: BLE001 - no tokenizer at hand: a stated default
         return default
 
 
