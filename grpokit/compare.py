@@ -70,6 +70,8 @@ def compare(presets: list[str], *, seeds: list[int], steps: int = 60, eval_every
             run_dir: str | Path = "runs/compare", settings: DemoSettings | None = None, say=print) -> dict:
     """Run every preset for every seed from the demo's warm start (`settings`: the demo's by default;
     tests pass a smaller one) and write the table, the JSON rows and the chart under `run_dir`."""
+    for p in presets:               # a misspelt preset or a bad YAML file: one line before the warm start
+        load_config(p)
     root = Path(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     results = []

@@ -163,8 +163,10 @@ def _load_module(ref: str, module: str):
         return importlib.import_module(module)
     except ModuleNotFoundError as e:
         if e.name and module.startswith(e.name):           # the module itself, not one it imports
-            raise ConfigError(f"reward {ref!r}: no module named {e.name!r} (looked in {cwd} and on "
-                              f"sys.path); use path/to/file.py:FUNCTION for a file") from None
+            close = did_you_mean(ref, REGISTRY)
+            also = f"; not a registered reward either{close}" if close else "; use path/to/file.py:FUNCTION for a file"
+            raise ConfigError(f"reward {ref!r}: no module named {e.name!r} (looked in {cwd} and on sys.path)"
+                              f"{also}") from None
         raise ConfigError(f"reward {ref!r}: importing {module} failed: {_one_line(e)}") from None
     except Exception as e:  # noqa: BLE001 - any error while importing user code is the user's to see
         raise ConfigError(f"reward {ref!r}: importing {module} failed: {_one_line(e)}") from None
@@ -195,9 +197,10 @@ def _load_file(ref: str, file: str):
 
 
 def _one_line(e: BaseException) -> str:
-    where = f" ({e.filename}, line {e.lineno})" if isinstance(e, SyntaxError) and e.lineno else ""
+    if isinstance(e, SyntaxError):                          # its str() carries the place already
+        return f"{type(e).__name__}: {e.msg} ({e.filename}, line {e.lineno})"
     text = str(e).splitlines()[0] if str(e) else ""
-    return f"{type(e).__name__}: {text}{where}" if text else f"{type(e).__name__}{where}"
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 # ---------------------------------------------------------------------- required columns

@@ -33,7 +33,7 @@ from grpokit.monitor.health import (
 from .synth import healthy_history, series
 
 RULE_NAMES = ["kl_climbing", "length_explosion", "no_signal", "reward_hacking",
-              "entropy_collapse", "ref_drift"]
+              "entropy_collapse", "ref_drift", "rewards_missing"]
 
 
 def fired(history, config: HealthConfig | None = None) -> dict[str, Alarm]:
