@@ -35,7 +35,6 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def cmd_train(args) -> int:
     from grpokit.config import load_config
     from grpokit.train import build_trainer
-
     from grpokit.train.checkpoint import nothing_to_resume
 
     cfg = load_config(args.config, args.overrides)

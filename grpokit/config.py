@@ -36,6 +36,7 @@ PRESET_DIR = Path(__file__).parent / "presets"
 # not against a fixed list: a name registered before then (`register_estimator`, `register_kind`,
 # `register_aggregation`, `register_controller`, `register_engine`, `grpokit.rewards.register`) is
 # accepted from YAML like a built-in one. The registries are imported only when a value is checked.
+# A reward may also be an import reference to a user's function (grpokit.rewards.user), imported here.
 
 
 def _registered(what: str, table: Callable[[], Mapping], listing: str = "known"):
