@@ -52,7 +52,7 @@ def build_trainer(cfg, *, model=None, tokenizer=None, health=True, dataset=None,
     check_sinks(cfg)          # a missing wandb / mlflow package: one line now, before the model loads
     m = cfg.model
     if tokenizer is None:
-        tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)
+        tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code, gguf_file=m.gguf_file)
     # the policy (LoRA / QLoRA when lora.enabled) and its reference (grpokit.train.reference), or None
     model, reference = build_policy(cfg, model)
     d = cfg.data
