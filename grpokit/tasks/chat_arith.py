@@ -2,13 +2,14 @@
 
 Each row is one user turn asking for the final answer in `\\boxed{}` (the tokenizer's chat template,
 with its default system prompt, is applied by the trainer) and the integer `answer`. Problems are
-two- or three-operand arithmetic (`+`, `-`, `*` with a one-digit factor) and short word problems.
+two- or three-operand arithmetic (`+`, `-`; the harder split also `*` by a one-digit factor) and short
+word problems.
 
 Three splits, drawn from one seeded generator:
 - `train`: what GRPO samples from;
 - `heldout`: the same distribution, never trained on (no question text appears in both);
-- `harder`: larger operands (two-digit, up to `hard_high`) and three operands everywhere: what
-  generalises beyond the training distribution.
+- `harder`: larger operands (from `high + 1` to `hard_high`), half of them with three operands, and
+  products by a one-digit factor: what generalises beyond the training distribution.
 Answers are never negative (a subtraction's operands are ordered), so a missing minus sign cannot
 pass for a right answer.
 """
@@ -25,9 +26,9 @@ NAMES = ["Ana", "Ben", "Chloe", "Dev", "Emma", "Farid", "Grace", "Hugo", "Iris",
 ITEMS = ["apples", "books", "coins", "marbles", "pencils", "stickers", "cards", "shells"]
 
 
-def _arith2(rng: random.Random, lo: int, hi: int) -> tuple[str, int]:
+def _arith2(rng: random.Random, lo: int, hi: int, ops: str) -> tuple[str, int]:
     a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-    op = rng.choice("+-*")
+    op = rng.choice(ops)
     if op == "*":
         b = rng.randint(2, 9)
         return f"What is {a} * {b}?", a * b
@@ -61,11 +62,11 @@ def _word(rng: random.Random, lo: int, hi: int, three: bool) -> tuple[str, int]:
     return f"{who} has {a} {item} and gives away {b}. How many {item} does {who} have left?", a - b
 
 
-def _problem(rng: random.Random, lo: int, hi: int, three_frac: float, word_frac: float) -> tuple[str, int]:
+def _problem(rng: random.Random, lo: int, hi: int, three_frac: float, word_frac: float, ops: str) -> tuple[str, int]:
     three = rng.random() < three_frac
     if rng.random() < word_frac:
         return _word(rng, lo, hi, three)
-    return _arith3(rng, lo, hi) if three else _arith2(rng, lo, hi)
+    return _arith3(rng, lo, hi) if three else _arith2(rng, lo, hi, ops)
 
 
 def row(question: str, answer: int, split: str) -> dict:
@@ -84,8 +85,8 @@ class ChatArithTask:
     low: int = 2
     high: int = 30
     hard_high: int = 99
-    three_frac: float = 0.25      # share of three-operand problems in train / heldout
-    word_frac: float = 0.25       # share of word problems
+    three_frac: float = 0.15      # share of three-operand problems in train / heldout (harder: 0.5)
+    word_frac: float = 0.2        # share of word problems
 
     def __post_init__(self):
         if not (1 <= self.low <= self.high < self.hard_high):
@@ -93,22 +94,22 @@ class ChatArithTask:
         rng = random.Random(self.seed)
         seen: set[str] = set()
 
-        def draw(n: int, split: str, lo: int, hi: int, three: float) -> list[dict]:
+        def draw(n: int, split: str, lo: int, hi: int, three: float, ops: str) -> list[dict]:
             rows, tries = [], 0
             while len(rows) < n:
                 tries += 1
                 if tries > 100 * n + 1000:
                     raise ValueError(f"cannot draw {n} distinct {split} problems from operands {lo}..{hi}")
-                q, a = _problem(rng, lo, hi, three, self.word_frac)
+                q, a = _problem(rng, lo, hi, three, self.word_frac, ops)
                 if q not in seen:
                     seen.add(q)
                     rows.append(row(q, a, split))
             return rows
 
         # held-out splits first, so the training split is whatever remains distinct from them
-        self.heldout = draw(self.heldout_size, "heldout", self.low, self.high, self.three_frac)
-        self.harder = draw(self.harder_size, "harder", self.high + 1, self.hard_high, 1.0)
-        self.train = draw(self.train_size, "train", self.low, self.high, self.three_frac)
+        self.heldout = draw(self.heldout_size, "heldout", self.low, self.high, self.three_frac, "+-")
+        self.harder = draw(self.harder_size, "harder", self.high + 1, self.hard_high, 0.5, "+-*")
+        self.train = draw(self.train_size, "train", self.low, self.high, self.three_frac, "+-")
 
     def splits(self) -> dict[str, list[dict]]:
         return {"train": self.train, "heldout": self.heldout, "harder": self.harder}

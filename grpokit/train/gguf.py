@@ -111,6 +111,12 @@ def _write_converted(src: Path, out: Path) -> None:
     (out / PROVENANCE).write_text(json.dumps({"source": str(src.resolve()), "sha256": file_digest(src)}, indent=2) + "\n")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _convert_into(src: Path, out: Path) -> None:
     """Convert in a temporary sibling of `out` and rename it into place, so `out` is either absent
     (or as it was) or complete. When another process renamed its conversion into `out` first, that
@@ -118,6 +124,7 @@ def _convert_into(src: Path, out: Path) -> None:
     require_gguf_package()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    os.chmod(tmp, 0o777 & ~_umask())        # mkdtemp's 0700 would make the result private
     try:
         _write_converted(src, tmp)
         if out.is_dir() and not any(out.iterdir()):
