@@ -95,7 +95,7 @@ def _write_converted(src: Path, out: Path) -> None:
     try:
         tok = AutoTokenizer.from_pretrained(src.parent, **kw)
         loaded = AutoModelForCausalLM.from_pretrained(src.parent, dtype=torch.float32, **kw)
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, ImportError) as exc:
         raise ModelLoadError(f"{src}: transformers cannot load this GGUF file ({str(exc).splitlines()[0]})") from None
     # The loaded model carries a quantization marker that blocks save_pretrained; its weights are
     # already plain float32, so the same architecture built without the marker takes them as is.
@@ -133,7 +133,7 @@ def _convert_into(src: Path, out: Path) -> None:
             os.replace(tmp, out)
         except OSError:
             if not (out / "config.json").is_file():
-                raise
+                raise ModelLoadError(f"{out} is in the way and holds no model: delete it and retry") from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -161,3 +161,12 @@ def test_a_run_from_a_gguf_file_saves_plain_checkpoints(tiny_file, cache, tmp_pa
     ids = [5, 6, 7, 8]
     assert torch.equal(_logits(loaded, ids), _logits(trainer.model.eval(), ids))
     assert not torch.equal(_logits(loaded, ids), _logits(load_model(tiny_file, device="cpu"), ids))   # it trained
+
+
+def test_a_foreign_directory_in_the_cache_is_a_one_line_error(tiny_file, cache):
+    squatter = cache / hashlib.sha256(tiny_file.read_bytes()).hexdigest()[:16]
+    squatter.mkdir(parents=True)
+    (squatter / "notes.txt").write_text("not a model")
+    with pytest.raises(ModelLoadError, match="in the way"):
+        gguf.resolve_model_dir(tiny_file)
+    assert [p.name for p in cache.iterdir()] == [squatter.name]          # no partial left beside it
