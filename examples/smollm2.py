@@ -52,7 +52,8 @@ def evaluate_splits(trainer, datasets: dict) -> dict[str, float]:
         t0 = time.perf_counter()
         res = evaluate(trainer.engine, trainer.encoder, trainer.rewards, ds, trainer.cfg)
         out[name] = res["eval/pass@1"]
-        log.info("%s: greedy pass@1 %.3f on %d prompts (%.0f s)", name, out[name], len(ds), time.perf_counter() - t0)
+        n = len(ds.rows[: trainer.cfg.data.eval_size or None])
+        log.info("%s: greedy pass@1 %.3f on %d prompts (%.0f s)", name, out[name], n, time.perf_counter() - t0)
     return out
 
 
@@ -100,6 +101,7 @@ def run(seed: int, steps: int | None, max_minutes: float | None, run_dir: str, o
         "pass@1": {name: {"before": before[name], "after": after[name], "delta": after[name] - before[name]}
                    for name in splits},
         "prompts": {name: len(path.read_text().splitlines()) for name, path in paths.items()},
+        "eval_prompts": cfg.data.eval_size or None,
         "config": cfg.model_dump(mode="json"),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
