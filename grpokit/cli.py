@@ -112,7 +112,7 @@ def cmd_plan_memory(args) -> int:
     from grpokit.train import memory as mem
 
     cfg = load_config(args.config, args.overrides)
-    shape = mem.load_shape(cfg.model.path)
+    shape = mem.load_shape(cfg.model.path, cfg.model.gguf_file)
     setup = mem.setup_from_config(cfg, device=args.device, prompt_tokens=args.prompt_tokens or mem.prompt_tokens_of(cfg))
     budget = mem.parse_size(args.budget) if args.budget else mem.default_budget(setup.device)
     rows = mem.plan(shape, setup, budget, lr=cfg.optim.lr, prompts_per_step=cfg.prompts_per_step,

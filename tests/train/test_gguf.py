@@ -99,6 +99,14 @@ def test_an_interrupted_conversion_leaves_no_directory(tiny_file, cache, monkeyp
     assert (gguf.resolve_model_dir(tiny_file) / "model.safetensors").is_file()
 
 
+def test_memory_planning_reads_the_shape_of_a_gguf_file(tiny_file, cache):
+    from grpokit.train.memory import load_shape
+
+    shape = load_shape(str(tiny_file))
+    assert (shape.model_type, shape.hidden, shape.layers, shape.heads, shape.kv_heads, shape.tied) == ("llama", 32, 2, 4, 2, True)
+    assert shape.vocab == len(load_tokenizer(tiny_file))
+
+
 def test_plain_directories_pass_through(tmp_path):
     assert gguf.resolve_model_dir(tmp_path) == tmp_path
     assert gguf.resolve_model_dir("") == ""
