@@ -73,6 +73,7 @@ def run(seed: int, steps: int | None, max_minutes: float | None, run_dir: str, o
     from grpokit.train import build_trainer
     from grpokit.train.gguf import resolve_model_dir
 
+    started = time.perf_counter()
     out = Path(run_dir)
     src = find_gguf()
     t0 = time.perf_counter()
@@ -96,7 +97,8 @@ def run(seed: int, steps: int | None, max_minutes: float | None, run_dir: str, o
     times = step_times(Path(cfg.train.run_dir))
     summary = {
         "model": str(src.name), "model_dir": str(model_dir), "seed": seed, "task_seed": task_seed,
-        "steps": trainer.step_idx, "train_wall_s": round(train_s, 1), "convert_or_cache_s": round(convert_s, 1),
+        "steps": trainer.step_idx, "train_wall_s": round(train_s, 1),
+        "total_wall_s": round(time.perf_counter() - started, 1), "convert_or_cache_s": round(convert_s, 1),
         "step_s_mean": round(sum(times) / len(times), 1) if times else None,
         "pass@1": {name: {"before": before[name], "after": after[name], "delta": after[name] - before[name]}
                    for name in splits},
