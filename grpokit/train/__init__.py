@@ -71,7 +71,7 @@ def build_trainer(cfg, *, model=None, tokenizer=None, health=True, dataset=None,
     dataset, eval_ds = load_datasets(cfg, dataset, eval_dataset)
     m = cfg.model
     if tokenizer is None:
-        tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)
+        tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code, gguf_file=m.gguf_file)
     # the policy (LoRA / QLoRA when lora.enabled) and its reference (grpokit.train.reference), or None
     model, reference = build_policy(cfg, model)
     sample = [r["prompt"] for r in dataset.rows[:8] if isinstance(r["prompt"], str)]

@@ -1,7 +1,8 @@
 """From config to the objects a run trains: the policy (plain, LoRA or QLoRA) and its reference.
 
-The one place that chooses between grpokit.train.model (plain Hugging Face directories) and
-grpokit.train.lora (adapters, 4-bit bases); neither of those imports the other's caller.
+The one place that chooses between grpokit.train.model (plain Hugging Face directories),
+grpokit.train.lora (adapters, 4-bit bases) and grpokit.train.gguf (a GGUF file, converted once into a
+cached plain directory); none of those imports the others' caller.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from grpokit.train import lora, model as model_lib
+from grpokit.train import gguf, lora, model as model_lib
 from grpokit.train.model import ModelLoadError, _check_dir
 from grpokit.train.reference import Reference
 
@@ -21,18 +22,20 @@ def _is_adapter_dir(p: Path) -> bool:
 
 
 def load_model(path: str | Path, *, dtype: str = "auto", device: str = "auto",
-               gradient_checkpointing: bool = False, trust_remote_code: bool = False):
-    """A local model directory, or a directory of LoRA adapters (their base + the adapters)."""
-    p = _check_dir(path)
+               gradient_checkpointing: bool = False, trust_remote_code: bool = False, gguf_file: str = ""):
+    """A local model directory, a directory of LoRA adapters (their base + the adapters), or a GGUF
+    file (`path` itself, or `gguf_file` inside the directory `path`) through its cached conversion."""
+    p = _check_dir(gguf.resolve_model_dir(path, gguf_file))
     if _is_adapter_dir(p):
         return lora.load_adapter_model(p, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     return model_lib.load_model(p, dtype=dtype, device=device, gradient_checkpointing=gradient_checkpointing,
                                 trust_remote_code=trust_remote_code)
 
 
-def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False):
-    """The tokenizer of a model directory, or of the base of an adapters-only directory."""
-    p = _check_dir(path)
+def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False, gguf_file: str = ""):
+    """The tokenizer of a model directory, of the base of an adapters-only directory, or of a GGUF
+    file's cached conversion."""
+    p = _check_dir(gguf.resolve_model_dir(path, gguf_file))
     if not (p / "tokenizer_config.json").is_file() and (p / "adapter_config.json").is_file():
         p = lora.resolve_base(p)            # LoRA adapters saved without a tokenizer: the base's
     return model_lib.load_tokenizer(p, trust_remote_code=trust_remote_code)
@@ -60,12 +63,13 @@ def build_policy(cfg, model=None):
     m, lc = cfg.model, cfg.lora
     if model is None:
         if lc.enabled and lc.load_in_4bit:
-            model = lora.load_4bit_model(m.path, lc, dtype=m.dtype, device=m.device,
+            model = lora.load_4bit_model(gguf.resolve_model_dir(m.path, m.gguf_file), lc, dtype=m.dtype, device=m.device,
                                          gradient_checkpointing=m.gradient_checkpointing,
                                          trust_remote_code=m.trust_remote_code)
         else:
             model = load_model(m.path, dtype=m.dtype, device=m.device,
-                               gradient_checkpointing=m.gradient_checkpointing, trust_remote_code=m.trust_remote_code)
+                               gradient_checkpointing=m.gradient_checkpointing, trust_remote_code=m.trust_remote_code,
+                               gguf_file=m.gguf_file)
     elif lc.load_in_4bit and not getattr(model, "is_loaded_in_4bit", False):
         raise ModelLoadError("lora.load_in_4bit: the model passed in is not 4-bit; let grpokit load it from model.path")
     if not lc.enabled:

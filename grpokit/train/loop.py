@@ -374,6 +374,7 @@ class Trainer:
         if not (resume and self.resume()):
             self.start_fresh()
         last: dict = {}
+        started = self.clock()
         while self.step_idx < cfg.train.steps:
             metrics = self.step()
             self.step_idx += 1
@@ -391,6 +392,9 @@ class Trainer:
             last = metrics
             if self.health is not None and getattr(self.health, "should_stop", False):
                 log.warning("stopping: a health alarm configured to stop fired")
+                break
+            if cfg.train.max_minutes and self.clock() - started >= 60 * cfg.train.max_minutes:
+                log.info("stopping after step %d: train.max_minutes=%g reached", self.step_idx, cfg.train.max_minutes)
                 break
         if self.saved_at[0] != self.step_idx:
             self.save()

@@ -84,12 +84,13 @@ def shape_from_config(hf_config) -> Shape:
         linears=linears, head_params=0 if tied or head is None else head.weight.numel())
 
 
-def load_shape(model_path: str) -> Shape:
+def load_shape(model_path: str, gguf_file: str = "") -> Shape:
     from transformers import AutoConfig
 
+    from grpokit.train.gguf import resolve_model_dir
     from grpokit.train.model import ModelLoadError, _check_dir
 
-    p = _check_dir(model_path)
+    p = _check_dir(resolve_model_dir(model_path, gguf_file))
     if not (p / "config.json").is_file():
         from grpokit.train.lora import resolve_base
         p = resolve_base(p)
@@ -253,7 +254,7 @@ def estimate(shape: Shape, s: Setup) -> Estimate:
 
 def estimate_config(cfg, *, device: str | None = None, prompt_tokens: int | None = None) -> Estimate:
     """Estimate for a Config (model shape read from cfg.model.path)."""
-    shape = load_shape(cfg.model.path)
+    shape = load_shape(cfg.model.path, cfg.model.gguf_file)
     pt = prompt_tokens if prompt_tokens is not None else prompt_tokens_of(cfg)
     return estimate(shape, setup_from_config(cfg, device=device, prompt_tokens=pt))
 
@@ -270,7 +271,7 @@ def prompt_tokens_of(cfg, *, limit: int = 2000, default: int = 256) -> int:
         return default
     ds = load_prompts(cfg.data.path, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field)
     try:
-        enc = PromptEncoder(load_tokenizer(cfg.model.path), cfg.data.chat_template)
+        enc = PromptEncoder(load_tokenizer(cfg.model.path, gguf_file=cfg.model.gguf_file), cfg.data.chat_template)
         return max(len(enc.encode(r["prompt"])) for r in ds.rows[:limit])
     except Exception:  # noqa: BLE001 - no tokenizer at hand: a stated default
         return default

@@ -1,0 +1,125 @@
+"""Verifiable chat problems with exact integer answers, for a real instruction-tuned model.
+
+Each row is one user turn asking for the final answer in `\\boxed{}` (the tokenizer's chat template,
+with its default system prompt, is applied by the trainer) and the integer `answer`. Problems are
+two- or three-operand arithmetic (`+`, `-`; the harder split also `*` by a one-digit factor) and short
+word problems.
+
+Three splits, drawn from one seeded generator:
+- `train`: what GRPO samples from;
+- `heldout`: the same distribution, never trained on (no question text appears in both);
+- `harder`: larger operands (from `high + 1` to `hard_high`), half of them with three operands, and
+  products by a one-digit factor: what generalises beyond the training distribution.
+Answers are never negative (a subtraction's operands are ordered), so a missing minus sign cannot
+pass for a right answer.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+INSTRUCTION = "Put the final answer in \\boxed{}."
+NAMES = ["Ana", "Ben", "Chloe", "Dev", "Emma", "Farid", "Grace", "Hugo", "Iris", "Jon", "Kai", "Lena"]
+ITEMS = ["apples", "books", "coins", "marbles", "pencils", "stickers", "cards", "shells"]
+
+
+def _arith2(rng: random.Random, lo: int, hi: int, ops: str) -> tuple[str, int]:
+    a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+    op = rng.choice(ops)
+    if op == "*":
+        b = rng.randint(2, 9)
+        return f"What is {a} * {b}?", a * b
+    if op == "-":
+        a, b = max(a, b), min(a, b)
+        return f"What is {a} - {b}?", a - b
+    return f"What is {a} + {b}?", a + b
+
+
+def _arith3(rng: random.Random, lo: int, hi: int) -> tuple[str, int]:
+    a, b, c = (rng.randint(lo, hi) for _ in range(3))
+    op1, op2 = rng.choice("+-"), rng.choice("+-")
+    value = a + b if op1 == "+" else a - b
+    value = value + c if op2 == "+" else value - c
+    if value < 0:                       # keep answers non-negative: flip to all-plus
+        op1 = op2 = "+"
+        value = a + b + c
+    return f"What is {a} {op1} {b} {op2} {c}?", value
+
+
+def _word(rng: random.Random, lo: int, hi: int, three: bool) -> tuple[str, int]:
+    who, item = rng.choice(NAMES), rng.choice(ITEMS)
+    a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+    if three:
+        c = rng.randint(lo, hi)
+        return (f"{who} has {a} {item}, buys {b} more and then finds {c} more. "
+                f"How many {item} does {who} have now?", a + b + c)
+    if rng.random() < 0.5:
+        return f"{who} has {a} {item} and gets {b} more. How many {item} does {who} have now?", a + b
+    a, b = max(a, b), min(a, b)
+    return f"{who} has {a} {item} and gives away {b}. How many {item} does {who} have left?", a - b
+
+
+def _problem(rng: random.Random, lo: int, hi: int, three_frac: float, word_frac: float, ops: str) -> tuple[str, int]:
+    three = rng.random() < three_frac
+    if rng.random() < word_frac:
+        return _word(rng, lo, hi, three)
+    return _arith3(rng, lo, hi) if three else _arith2(rng, lo, hi, ops)
+
+
+def row(question: str, answer: int, split: str) -> dict:
+    return {"prompt": [{"role": "user", "content": f"{question} {INSTRUCTION}"}],
+            "answer": str(answer), "question": question, "split": split}
+
+
+@dataclass
+class ChatArithTask:
+    """Seeded splits of chat arithmetic problems (see the module docstring)."""
+
+    seed: int = 0
+    train_size: int = 2000
+    heldout_size: int = 64
+    harder_size: int = 64
+    low: int = 2
+    high: int = 30
+    hard_high: int = 99
+    three_frac: float = 0.15      # share of three-operand problems in train / heldout (harder: 0.5)
+    word_frac: float = 0.2        # share of word problems
+
+    def __post_init__(self):
+        if not (1 <= self.low <= self.high < self.hard_high):
+            raise ValueError(f"need 1 <= low <= high < hard_high, got {self.low}, {self.high}, {self.hard_high}")
+        rng = random.Random(self.seed)
+        seen: set[str] = set()
+
+        def draw(n: int, split: str, lo: int, hi: int, three: float, ops: str) -> list[dict]:
+            rows, tries = [], 0
+            while len(rows) < n:
+                tries += 1
+                if tries > 100 * n + 1000:
+                    raise ValueError(f"cannot draw {n} distinct {split} problems from operands {lo}..{hi}")
+                q, a = _problem(rng, lo, hi, three, self.word_frac, ops)
+                if q not in seen:
+                    seen.add(q)
+                    rows.append(row(q, a, split))
+            return rows
+
+        # held-out splits first, so the training split is whatever remains distinct from them
+        self.heldout = draw(self.heldout_size, "heldout", self.low, self.high, self.three_frac, "+-")
+        self.harder = draw(self.harder_size, "harder", self.high + 1, self.hard_high, 0.5, "+-*")
+        self.train = draw(self.train_size, "train", self.low, self.high, self.three_frac, "+-")
+
+    def splits(self) -> dict[str, list[dict]]:
+        return {"train": self.train, "heldout": self.heldout, "harder": self.harder}
+
+    def write(self, out_dir: str | Path) -> dict[str, Path]:
+        """Write `<split>.jsonl` files into `out_dir`; returns their paths by split."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        paths = {}
+        for name, rows in self.splits().items():
+            paths[name] = out / f"{name}.jsonl"
+            paths[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return paths

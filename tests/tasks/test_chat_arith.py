@@ -1,0 +1,66 @@
+"""The chat arithmetic task: seeded, disjoint splits, and answers that re-computation confirms."""
+
+import re
+
+import pytest
+
+from grpokit.tasks.chat_arith import INSTRUCTION, ChatArithTask
+
+
+def recompute(question: str) -> int:
+    """The answer worked out again from the question text alone."""
+    expr = re.fullmatch(r"What is (\d+(?: [-+*] \d+)+)\?", question)
+    if expr:
+        tokens = expr.group(1).split()
+        value = int(tokens[0])
+        for op, n in zip(tokens[1::2], map(int, tokens[2::2])):
+            value = value + n if op == "+" else value - n if op == "-" else value * n
+        return value
+    nums = [int(x) for x in re.findall(r"\d+", question)]
+    return nums[0] - nums[1] if "gives away" in question else sum(nums)
+
+
+@pytest.fixture(scope="module")
+def task():
+    return ChatArithTask(seed=3, train_size=500, heldout_size=64, harder_size=64)
+
+
+def test_answers_recompute_and_prompts_ask_for_a_box(task):
+    for rows in task.splits().values():
+        for r in rows:
+            assert int(r["answer"]) == recompute(r["question"]) >= 0
+            assert r["prompt"] == [{"role": "user", "content": f"{r['question']} {INSTRUCTION}"}]
+
+
+def test_splits_are_disjoint_seeded_and_sized(task):
+    q = {name: [r["question"] for r in rows] for name, rows in task.splits().items()}
+    assert {k: len(v) for k, v in q.items()} == {"train": 500, "heldout": 64, "harder": 64}
+    assert all(len(set(v)) == len(v) for v in q.values())
+    assert not set(q["train"]) & set(q["heldout"]) and not set(q["train"]) & set(q["harder"])
+    again = ChatArithTask(seed=3, train_size=500, heldout_size=64, harder_size=64)
+    assert again.splits() == task.splits()
+    assert ChatArithTask(seed=4, train_size=500).heldout != task.heldout
+
+
+def test_harder_split_has_larger_operands_and_more_of_three(task):
+    def operands(rows):
+        return [int(x) for r in rows for x in re.findall(r"\d+", r["question"])
+                if not re.search(rf"\* {x}\?", r["question"])]     # one-digit factors aside
+    assert min(operands(task.harder)) > task.high >= max(operands(task.train + task.heldout))
+    three = lambda rows: sum(len(re.findall(r"\d+", r["question"])) == 3 for r in rows) / len(rows)  # noqa: E731
+    assert three(task.harder) > three(task.heldout)
+
+
+def test_impossible_sizes_are_errors():
+    with pytest.raises(ValueError, match="cannot draw"):
+        ChatArithTask(low=2, high=3, word_frac=0, three_frac=0, train_size=50)
+    with pytest.raises(ValueError, match="low <= high"):
+        ChatArithTask(low=40, high=30)
+
+
+def test_write_round_trips(tmp_path, task):
+    import json
+
+    paths = task.write(tmp_path)
+    for name, rows in task.splits().items():
+        assert [json.loads(x) for x in paths[name].read_text().splitlines()] == rows
