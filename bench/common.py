@@ -11,7 +11,9 @@ import resource
 from dataclasses import dataclass
 
 # ---------------------------------------------------------------------------------------- workload
-PROMPTS_PER_STEP = 8
+# BENCH_PROMPTS: fewer prompts per step (same G) for a short run on a loaded machine; the table
+# states the work it ran
+PROMPTS_PER_STEP = int(os.environ.get("BENCH_PROMPTS", "8"))
 GROUP_SIZE = 8
 TEMPERATURE = 0.8
 BETA = 0.02
