@@ -58,7 +58,8 @@ def decode_check(model, rows: int, context: int, temperature: float, steps: int 
     then times `steps` decoding steps at the columns after it (every round rewrites the same
     columns: the same work each time) and `steps` passes of the step's matmuls alone (the same
     packed weights, inputs of the same shapes), in alternation so that load on the machine falls on
-    both. Reported: each one's best round, per step, and the ratio of the two bests."""
+    both; with one thread, in the thread's CPU time. Reported: each one's best round, per step, and
+    the ratio of the two bests."""
     import torch
 
     from grpokit.gemm import linear
@@ -97,13 +98,15 @@ def decode_check(model, rows: int, context: int, temperature: float, steps: int 
                 linear(x_h, dec.w_head, dec.b_head)
 
         import time
+        # one thread: its CPU time, which other load on the machine does not inflate
+        clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
         decode(), matmuls()                                          # warm-up
         t_dec, t_mm = [], []
         for _ in range(rounds):
             for fn, out in ((decode, t_dec), (matmuls, t_mm)):
-                t = time.perf_counter()
+                t = clock()
                 fn()
-                out.append((time.perf_counter() - t) / steps)
+                out.append((clock() - t) / steps)
     cfg = model.config
     kv = cfg.num_key_value_heads * dec.head_dim
     per_layer = hidden * (dec.n_heads * dec.head_dim + 2 * kv) + dec.n_heads * dec.head_dim * hidden + 3 * hidden * inter
