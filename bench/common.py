@@ -11,7 +11,9 @@ import resource
 from dataclasses import dataclass
 
 # ---------------------------------------------------------------------------------------- workload
-PROMPTS_PER_STEP = 8
+# BENCH_PROMPTS: fewer prompts per step (same G) for a short run on a loaded machine; the table
+# states the work it ran
+PROMPTS_PER_STEP = int(os.environ.get("BENCH_PROMPTS", "8"))
 GROUP_SIZE = 8
 TEMPERATURE = 0.8
 BETA = 0.02
@@ -39,10 +41,13 @@ def partial_credit(prompts, completions, answer=None, **_):
 
     `grpokit.rewards.basic.digit_match` pays 0 for any completion longer than the answer, which is
     every completion of a random model (and all of them in the fixed-length variant): the groups
-    would have zero variance, zero advantages and a zero gradient.
+    would have zero variance, zero advantages and a zero gradient. A completion given as chat
+    messages (TRL, for conversational prompts) is scored on its text.
     """
     out = []
     for c, a in zip(completions, answer if answer is not None else [None] * len(completions)):
+        if isinstance(c, list):          # TRL passes chat completions as messages
+            c = "".join(m.get("content", "") for m in c)
         c = str(c)
         digits = sum(ch.isdigit() for ch in c) / max(len(c), 1)
         ref = str(a or "")

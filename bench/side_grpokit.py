@@ -50,6 +50,72 @@ def build(args):
     return build_trainer(cfg, health=False)
 
 
+def decode_check(model, rows: int, context: int, temperature: float, steps: int = 4, rounds: int = 5) -> dict:
+    """A decoding step of the lean decoder (one token per row through every layer, then sampling)
+    against the time its own matmuls take alone, at the same number of rows.
+
+    The decoder is prefilled once with a `context`-token prompt repeated to `rows` rows; each round
+    then times `steps` decoding steps at the columns after it (every round rewrites the same
+    columns: the same work each time) and `steps` passes of the step's matmuls alone (the same
+    packed weights, inputs of the same shapes), in alternation so that load on the machine falls on
+    both; with one thread, in the thread's CPU time. Reported: each one's best round, per step, and
+    the ratio of the two bests."""
+    import torch
+
+    from grpokit.gemm import linear
+    from grpokit.rollout.base import SamplingParams, sample_next
+    from grpokit.rollout.decoder import LeanDecoder
+
+    with torch.inference_mode():
+        dec = LeanDecoder(model, rows=rows)
+        dec.alloc(rows, context + steps)
+        cos_t, sin_t = dec.rope_table(context + steps)
+        gen = torch.Generator().manual_seed(0)
+        vocab = dec.embed.shape[0]
+        prompt = torch.randint(0, vocab, (1, context), generator=gen)
+        first = dec.forward(prompt, 0, cos_t[:context], sin_t[:context], None, expand=rows)
+        params = SamplingParams(temperature=temperature)
+        hidden = dec.embed.shape[1]
+        x_h = torch.randn(rows, hidden)
+        x_o = torch.randn(rows, dec.n_heads * dec.head_dim)
+        inter = model.config.intermediate_size
+        x_d = torch.randn(rows, inter)
+
+        def decode():
+            tok = sample_next(first, params, gen)[0]
+            for t in range(steps):
+                s = context + t
+                logits = dec.forward(tok[:, None], s, cos_t[s], sin_t[s], None)
+                tok = sample_next(logits, params, gen)[0]
+
+        def matmuls():
+            for _ in range(steps):
+                for p in dec.layers:
+                    linear(x_h, p.w_qkv, p.b_qkv)
+                    linear(x_o, p.w_o, p.b_o)
+                    linear(x_h, p.w_gu, p.b_gu)
+                    linear(x_d, p.w_down, p.b_down)
+                linear(x_h, dec.w_head, dec.b_head)
+
+        import time
+        # one thread: its CPU time, which other load on the machine does not inflate
+        clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+        decode(), matmuls()                                          # warm-up
+        t_dec, t_mm = [], []
+        for _ in range(rounds):
+            for fn, out in ((decode, t_dec), (matmuls, t_mm)):
+                t = clock()
+                fn()
+                out.append((clock() - t) / steps)
+    cfg = model.config
+    kv = cfg.num_key_value_heads * dec.head_dim
+    per_layer = hidden * (dec.n_heads * dec.head_dim + 2 * kv) + dec.n_heads * dec.head_dim * hidden + 3 * hidden * inter
+    flops = 2 * rows * (cfg.num_hidden_layers * per_layer + hidden * vocab)
+    return {"rows": rows, "context": context, "step_s": min(t_dec), "matmul_s": min(t_mm),
+            "ratio": min(t_dec) / min(t_mm), "matmul_gflop_per_s": flops / min(t_mm) / 1e9,
+            "step_s_all": t_dec, "matmul_s_all": t_mm}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -59,10 +125,19 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=64)
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--steps", type=int, default=common.WARMUP_STEPS + common.STEPS)
+    ap.add_argument("--decode-check", action="store_true",
+                    help="time a decoding step against its matmuls alone (decode_check) before the steps")
     args = ap.parse_args()
     t0 = time.perf_counter()
     trainer = build(args)
     setup_s = time.perf_counter() - t0
+    extra = {}
+    if args.decode_check:
+        prompt = trainer.encoder.encode(trainer.dataset[0]["prompt"])
+        rows = common.PROMPTS_PER_STEP * common.GROUP_SIZE
+        # mid-completion: the prompt and half of the new tokens in the cache
+        extra["decode_check"] = decode_check(trainer.model, rows, len(prompt) + args.max_new_tokens // 2,
+                                             common.TEMPERATURE)
 
     def step() -> dict:
         t, c = time.perf_counter(), time.process_time()
@@ -85,7 +160,7 @@ def main() -> None:
 
     import torch
     common.serve(step, {"setup_s": setup_s, "settings": settings(args), "torch": torch.__version__,
-                        "threads": torch.get_num_threads()})
+                        "threads": torch.get_num_threads(), **extra})
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ runs. Both are IEEE float32 GEMMs (no reduced-precision math); they differ by su
 
 What this module offers:
   - `linear(x, w, b)`: `F.linear` with a backward, through oneDNN when it is chosen;
-  - `pack(w, rows)` / `linear(x, packed, b)`: a weight laid out once for many calls (generation);
+  - `pack(w, rows)` / `linear(x, packed, b)`: a weight laid out once for many calls (generation;
+    chosen by its own timing at decoding's shapes, `use_packed`);
   - `fast_linears(*models)`: a context in which the models' `nn.Linear` layers use `linear`;
   - `choose(mode)`: `auto` (default) times both on this machine, once per process, and keeps oneDNN
     if it is at least 15% faster; `onednn` / `blas` force one. Env: GRPOKIT_CPU_GEMM.
@@ -28,7 +29,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-_state: dict = {"mode": os.environ.get("GRPOKIT_CPU_GEMM", "auto"), "use": None}
+_state: dict = {"mode": os.environ.get("GRPOKIT_CPU_GEMM", "auto"), "use": None, "packed": None}
 
 
 def _op():
@@ -46,7 +47,7 @@ def choose(mode: str = "auto") -> None:
     """Set the policy: `auto` (time both once), `onednn` or `blas`."""
     if mode not in ("auto", "onednn", "blas"):
         raise ValueError(f"cpu gemm mode must be auto, onednn or blas, not {mode!r}")
-    _state["mode"], _state["use"] = mode, None
+    _state["mode"], _state["use"], _state["packed"] = mode, None, None
 
 
 def _race(a, b, rounds: int = 7) -> tuple[float, float]:
@@ -80,6 +81,29 @@ def use_onednn() -> bool:
             except RuntimeError:
                 _state["use"] = False
     return _state["use"]
+
+
+def use_packed() -> bool:
+    """Whether `pack` lays weights out for oneDNN (decided once per process, separately from
+    `use_onednn`). Decoding multiplies a few dozen rows by every weight, a shape where oneDNN with
+    a weight packed for that row count beats the BLAS even on processors where the BLAS wins the
+    square GEMMs that `use_onednn` times: on a Zen 3 core, 64 rows by SmolLM2's projections ran at
+    90-99 GFLOP/s packed against 54-88 through MKL."""
+    if _state["packed"] is None:
+        mode = _state["mode"]
+        if mode == "blas" or not available():
+            _state["packed"] = False
+        elif mode == "onednn":
+            _state["packed"] = True
+        else:
+            try:
+                x, w = torch.randn(64, 576), torch.randn(1536, 576)
+                op, packed = _op(), torch.ops.mkldnn._reorder_linear_weight(w, 64)
+                blas, dnn = _race(lambda: F.linear(x, w), lambda: op(x, packed, None, "none", [], ""))
+                _state["packed"] = dnn < blas
+            except RuntimeError:
+                _state["packed"] = False
+    return _state["packed"]
 
 
 def _eligible(*ts) -> bool:
@@ -126,9 +150,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 
 
 def pack(w: torch.Tensor, rows: int) -> torch.Tensor:
-    """`w` laid out for oneDNN, for `rows`-row inputs (others work too); `w` itself when oneDNN is
-    not chosen. Inference only: a packed weight has no gradient."""
-    if not (_eligible(w) and use_onednn()):
+    """`w` laid out for oneDNN, for `rows`-row inputs (others work too); `w` itself when packing
+    is not chosen (`use_packed`). Inference only: a packed weight has no gradient."""
+    if not (_eligible(w) and use_packed()):
         return w
     return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), max(int(rows), 1))
 

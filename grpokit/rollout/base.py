@@ -101,8 +101,8 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     distribution with the top token excluded and renormalised; its recorded log-prob is log q(token)
     under that renormalised q, so an importance ratio built on it stays correct.
 
-    Raises NonFiniteLogits when a row has NaN/inf logits (torch.multinomial would fail on it, on a
-    GPU with a device-side assert).
+    The token is drawn by `draw` (one uniform number per row, not one per vocabulary entry).
+    Raises NonFiniteLogits when a row has NaN/inf logits (no distribution to draw from).
     """
     check_logits(logits)
     logits = logits.float()
@@ -132,8 +132,35 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
             rows = resampled.nonzero().squeeze(-1)
             logits[rows, top_i[rows]] = float("-inf")
     logprobs_all = torch.log_softmax(logits, -1)
-    tok = torch.multinomial(logprobs_all.exp(), 1, generator=generator).squeeze(-1)
+    tok = draw(logprobs_all.exp(), generator)
     return tok, logprobs_all.gather(-1, tok[:, None]).squeeze(-1), resampled
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of `probs` [B, V] (non-negative, each row with some mass; rows need not
+    sum to 1), drawn exactly from the categorical distribution probs / probs.sum(-1).
+
+    Inverse transform sampling: one uniform u per row, and the token is the first whose cumulative
+    mass exceeds u times the row's total. `torch.multinomial` draws one exponential random number
+    per vocabulary entry instead (49,152 a row for a Llama-3-sized vocabulary), which took a
+    seventh of a decoding step of a 135 M-parameter model on a CPU. The cumulative sum is in
+    float64, so each token's share of [0, total) is its probability to ~1e-16 (float32 would shift
+    a token's mass by up to ~6e-8, the size of a rare token's probability). A zero-probability
+    token is never drawn: its interval is empty (`right=True` skips ties)."""
+    u = torch.rand((probs.shape[0],), dtype=torch.float64, device=probs.device, generator=generator)
+    return inverse_cdf(probs, u)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token of each row of `probs` [B, V] at quantile u [B] (in [0, 1)) of its distribution:
+    the first token whose cumulative mass exceeds u * total."""
+    cdf = torch.cumsum(probs, -1, dtype=torch.float64)                           # [B, V]
+    tok = torch.searchsorted(cdf, (u.to(cdf.dtype) * cdf[:, -1])[:, None], right=True).squeeze(-1)   # [B]
+    over = tok >= probs.shape[-1]        # u * total rounded up to the total: the last token with mass
+    if over.any():
+        last = probs.shape[-1] - 1 - (probs[over].flip(-1) > 0).long().argmax(-1)
+        tok = tok.masked_scatter(over, last)
+    return tok
 
 
 def select_rows(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:

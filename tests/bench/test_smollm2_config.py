@@ -1,0 +1,48 @@
+"""The benchmark's SmolLM2 configurations: the matrix, the chat prompts, the skip reason, and the
+reward on chat-message completions (how TRL passes them)."""
+
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import common  # noqa: E402
+import run  # noqa: E402
+import smollm2  # noqa: E402
+
+
+def test_the_real_model_runs_at_its_own_lengths_only():
+    configs = run.configurations(["small", "smollm2"], [16, 64], ["eos", "fixed"])
+    assert ("smollm2", 16, "eos") not in configs
+    assert [c for c in configs if c[0] == "smollm2"] == [("smollm2", 64, "eos"), ("smollm2", 64, "fixed")]
+    assert len([c for c in configs if c[0] == "small"]) == 4
+
+
+def test_chat_prompts_are_seeded_and_their_answers_right(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    smollm2.write_prompts(a, 50, seed=3)
+    smollm2.write_prompts(b, 50, seed=3)
+    assert a.read_text() == b.read_text()
+    rows = [json.loads(line) for line in a.read_text().splitlines()]
+    assert len(rows) == 50
+    for row in rows:
+        (msg,) = row["prompt"]
+        assert msg["role"] == "user" and "\\boxed{}" in msg["content"]
+        x, op, y = re.match(r"What is (\d+) ([+-]) (\d+)\?", msg["content"]).groups()
+        assert int(row["answer"]) == (int(x) + int(y) if op == "+" else int(x) - int(y))
+
+
+def test_missing_packages_give_a_reason(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    reason = smollm2.missing()
+    assert reason is not None and "gguf" in reason and "--no-deps" in reason
+
+
+def test_partial_credit_scores_chat_messages_as_their_text():
+    text = ["The answer is 42", "no digits here"]
+    as_messages = [[{"role": "assistant", "content": t}] for t in text]
+    assert common.partial_credit(None, as_messages, ["42", "7"]) == common.partial_credit(None, text, ["42", "7"])
