@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -33,23 +34,50 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def cmd_train(args) -> int:
     from grpokit.config import load_config
-    from grpokit.train import build_trainer
+    from grpokit.train import build_trainer, distributed
 
     cfg = load_config(args.config, args.overrides)
-    trainer = build_trainer(cfg)
-    if args.resume and not (Path(cfg.train.run_dir) / "checkpoints").is_dir():
-        print(f"note: --resume: no checkpoint in {cfg.train.run_dir}; starting fresh", file=sys.stderr)
+    if args.nproc is not None:
+        return _launch(args, cfg)
     try:
-        if cfg.train.progress:
-            from grpokit.cli_progress import StepProgress
-            with StepProgress(cfg.train.steps) as bar:
-                trainer.train(resume=args.resume, progress=bar.update)
-        else:
-            trainer.train(resume=args.resume)
-    finally:              # a run that stops with an error (divergence, reference drift) gets one too
-        _write_report(cfg.train.run_dir)
-    print(f"done: {trainer.step_idx} steps; run directory {cfg.train.run_dir}")
+        trainer = build_trainer(cfg)
+        main_rank = trainer.dp is None or trainer.dp.is_main     # rank 0 alone prints and reports
+        if args.resume and main_rank and not (Path(cfg.train.run_dir) / "checkpoints").is_dir():
+            print(f"note: --resume: no checkpoint in {cfg.train.run_dir}; starting fresh", file=sys.stderr)
+        try:
+            if cfg.train.progress and main_rank:
+                from grpokit.cli_progress import StepProgress
+                with StepProgress(cfg.train.steps) as bar:
+                    trainer.train(resume=args.resume, progress=bar.update)
+            else:
+                trainer.train(resume=args.resume)
+        finally:          # a run that stops with an error (divergence, reference drift) gets one too
+            if main_rank:
+                _write_report(cfg.train.run_dir)
+    finally:
+        distributed.shutdown()
+    if main_rank:
+        print(f"done: {trainer.step_idx} steps; run directory {cfg.train.run_dir}")
     return 0
+
+
+def _launch(args, cfg) -> int:
+    """`grpokit train ... --nproc N`: the same command on N local ranks under torchrun."""
+    import os
+    import subprocess
+
+    from grpokit.config import ConfigError
+    from grpokit.train import distributed
+
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+    if "RANK" in os.environ:
+        raise ConfigError("--nproc inside a torchrun job: launch either with torchrun or with --nproc, not both")
+    distributed.check_config(cfg, args.nproc)
+    argv = ["train", *args.config, *args.overrides] + (["--resume"] if args.resume else [])
+    if args.debug:
+        argv.insert(0, "--debug")
+    return subprocess.call(distributed.torchrun_command(args.nproc, argv))
 
 
 def _write_report(run_dir) -> None:
@@ -171,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train with a YAML config (or preset name) and key=value overrides")
     t.add_argument("config", nargs="+", help="config file(s) or preset names, then key.sub=value overrides")
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint of train.run_dir")
+    t.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="train on N local processes (starts torchrun; see docs/distributed.md)")
     t.set_defaults(fn=cmd_train)
 
     e = sub.add_parser("eval", help="held-out pass@1 of a model directory on a prompt file")
@@ -234,7 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _split_train_args(args)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    rank = os.environ.get("RANK", "0")          # under torchrun, ranks other than 0 log warnings only
+    logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING,
+                        format=("%(levelname)s %(name)s: " if rank == "0" else f"%(levelname)s rank {rank} %(name)s: ")
+                        + "%(message)s")
     if not args.debug:
         _quiet_transformers()
     try:

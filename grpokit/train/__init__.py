@@ -50,6 +50,8 @@ def build_trainer(cfg, *, model=None, tokenizer=None, health=True, dataset=None,
     from grpokit.train.model import check_round_trip
 
     check_sinks(cfg)          # a missing wandb / mlflow package: one line now, before the model loads
+    from grpokit.train import distributed
+    dist_ctx = distributed.init(cfg)          # None for a single process (docs/distributed.md)
     m = cfg.model
     if tokenizer is None:
         tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)
@@ -62,5 +64,10 @@ def build_trainer(cfg, *, model=None, tokenizer=None, health=True, dataset=None,
     sample = [r["prompt"] for r in dataset.rows[:8] if isinstance(r["prompt"], str)]
     check_round_trip(tokenizer, sample)
     rewards = build_rewards(cfg)
-    monitor = build_health(cfg) if health else None
-    return Trainer(cfg, model, tokenizer, dataset, rewards, eval_dataset=eval_ds, health=monitor, reference=reference)
+    worker = None
+    if dist_ctx is not None:                  # DDP / FSDP2 over this rank's copy of the policy
+        from grpokit.train.dist_worker import DataParallelWorker
+        worker = DataParallelWorker(cfg, model, tokenizer, reference, dist_ctx)
+    monitor = build_health(cfg) if health and (dist_ctx is None or dist_ctx.is_main) else None
+    return Trainer(cfg, model, tokenizer, dataset, rewards, eval_dataset=eval_ds, health=monitor, reference=reference,
+                   worker=worker)

@@ -1,0 +1,112 @@
+"""Programs the distributed tests run under torchrun (one process per rank): each writes what it
+measured to OUT/rank<R>.pt for the test to compare with a single-process run.
+
+  python -m torch.distributed.run --nproc-per-node 2 tests/train/dist_programs.py equivalence OUT MODE AGG
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from grpokit.config import load_config
+from grpokit.tasks.tiny import build_char_tokenizer, build_tiny_model
+from grpokit.train import distributed
+from grpokit.train.batch import Batch
+from grpokit.train.build import reference_for
+
+
+def equivalence_config(agg: str, mode: str):
+    return load_config(None, [
+        "rollout.group_size=4", "rollout.batch_size=16", "rollout.max_new_tokens=6", "rollout.temperature=1.0",
+        f"algorithm.loss_agg={agg}", "algorithm.kl.beta=0.05", "algorithm.kl.controller=fixed",
+        "optim.micro_batch_size=3", "optim.lr=1e-3", "optim.max_grad_norm=1e9",
+        f"train.distributed={mode}", "train.dist_timeout_s=60", "monitor.sinks=[jsonl]"])
+
+
+def tiny_policy(seed: int = 0):
+    tok = build_char_tokenizer("0123456789+= ")
+    model = build_tiny_model(tok, hidden=32, layers=2, heads=2, intermediate=64, max_positions=64, seed=seed)
+    return model.double().eval(), tok
+
+
+def fixed_batch(tok, n_groups: int = 4, G: int = 4, seed: int = 0) -> Batch:
+    """A batch of `n_groups` groups of G completions of different lengths, with rewards and
+    group-relative advantages: the same on every rank and in the single-process run."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = n_groups * G, 6
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).long()
+    ids = torch.randint(4, len(tok), (B, T), generator=g) * mask + tok.pad_token_id * (1 - mask)
+    prompts = [torch.randint(4, len(tok), (int(torch.randint(2, 5, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n_groups)]
+    rewards = torch.randint(0, 3, (B,), generator=g).double()
+    gid = torch.arange(n_groups).repeat_interleave(G)
+    mean = torch.zeros(B, dtype=torch.float64)
+    std = torch.zeros(B, dtype=torch.float64)
+    for k in range(n_groups):
+        r = rewards[gid == k]
+        mean[gid == k], std[gid == k] = r.mean(), r.std()
+    adv = torch.where(std > 0, (rewards - mean) / (std + 1e-6), 0.0)
+    return Batch(uid=[f"0-{int(k)}-{i}" for i, k in enumerate(gid)], prompt_index=gid.clone(), group_id=gid,
+                 rows=[{"prompt": "x"} for _ in range(B)], prompt_ids=[prompts[int(k)] for k in gid],
+                 completion_ids=ids, mask=mask, sampler_logp=torch.zeros(B, T), finish_reason=["eos"] * B,
+                 completions=[""] * B, rewards=rewards, advantages=adv.float())
+
+
+def record_gradients(worker, grads: list):
+    """Keep a full copy of the gradient each optimizer step applies (observing, not replacing, it)."""
+    step = worker.optimizer.step
+
+    def recording(*a, **kw):
+        names = worker.trainable_names()
+        params = [p for grp in worker.optimizer.param_groups for p in grp["params"]]
+        full = {}
+        for n, p in zip(names, params):
+            gr = p.grad
+            if hasattr(gr, "full_tensor"):
+                gr = gr.full_tensor()
+            full[n] = gr.detach().clone()
+        grads.append(full)
+        return step(*a, **kw)
+    worker.optimizer.step = recording
+
+
+def train_one_step(worker, batch, beta: float = 0.05) -> tuple[dict, dict]:
+    """Reference log-probs, then one training step; (metrics, the gradient applied). The model's own
+    forward everywhere: FSDP2's hooks rule grpokit's lean forward out, so both sides use the same."""
+    from grpokit.train import forward as lean_forward
+
+    with lean_forward.disabled():
+        batch.ref_logp = worker.logprobs(batch, "reference")
+        grads: list = []
+        record_gradients(worker, grads)
+        m = worker.train_step(batch, beta)
+    return m, grads[0]
+
+
+def equivalence(out: Path, mode: str, agg: str) -> None:
+    from grpokit.train.batch import shard_groups
+    from grpokit.train.dist_worker import DataParallelWorker
+
+    cfg = equivalence_config(agg, mode)
+    ctx = distributed.init(cfg)
+    try:
+        model, tok = tiny_policy()
+        reference = reference_for(cfg, model)
+        worker = DataParallelWorker(cfg, model, tok, reference, ctx)
+        local = shard_groups(fixed_batch(tok), ctx.rank, ctx.world)
+        m, grads = train_one_step(worker, local)
+        weights = dict(worker.export_weights())
+        torch.save({"metrics": {k: v for k, v in m.items() if k != "guard/causes"}, "grads": grads,
+                    "weights": weights}, out / f"rank{ctx.rank}.pt")
+    finally:
+        distributed.shutdown()
+
+
+if __name__ == "__main__":
+    what, out = sys.argv[1], Path(sys.argv[2])
+    out.mkdir(parents=True, exist_ok=True)
+    {"equivalence": equivalence}[what](out, *sys.argv[3:])
