@@ -15,12 +15,13 @@ PY            := $(VENV)/bin/python
 STAMP         := $(VENV)/.grpokit-installed
 export OMP_NUM_THREADS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: setup test test-fast demo demo-quick compare bench clean help
+.PHONY: setup test test-fast test-dist demo demo-quick compare bench clean help
 
 help:
 	@echo "make demo       GRPO teaches a tiny model arithmetic on this CPU (embedded, nothing downloaded)"
 	@echo "make test       the whole test suite"
 	@echo "make test-fast  unit tier only (no end-to-end runs)"
+	@echo "make test-dist  multi-process training under torchrun (DDP, FSDP2; minutes)"
 	@echo "make bench      benchmark against TRL in the same run (see docs/performance.md; BENCH_ARGS=--help)"
 
 setup: $(STAMP)
@@ -32,10 +33,14 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not distributed" tests
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not slow and not distributed" tests
+
+# Multi-process runs under torchrun (2 CPU processes, gloo; docs/distributed.md): minutes on 2 cores
+test-dist: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m distributed tests
 
 demo: $(STAMP)
 	$(VENV)/bin/grpokit demo

@@ -119,7 +119,10 @@ class DataParallelWorker(LocalWorker):
             rows = list(range(len(batch))) if rows is None else rows
             return self.reference.logprobs(batch, lambda r: LocalWorker.plan(self, batch, r), rows=rows,
                                            dropout=dropout)
-        return super().logprobs(batch, which, rows=rows, dropout=dropout)
+        out = super().logprobs(batch, which, rows=rows, dropout=dropout)
+        if self._fsdp_units:            # FSDP2 keeps the root gathered after a forward without backward
+            self.wrapped.reshard()
+        return out
 
     # ------------------------------------------------------------------ the update
     def counts(self, n_tok: int, n_seq: int) -> tuple[int, int]:
@@ -214,7 +217,7 @@ class DataParallelWorker(LocalWorker):
                 if tied:
                     state[n] = state[tied[0]]
         set_model_state_dict(self.wrapped, {ROOT + k: v for k, v in state.items()},
-                             options=StateDictOptions(full_state_dict=True, strict=False))
+                             options=StateDictOptions(full_state_dict=True, strict=False, broadcast_from_rank0=True))
 
     def trainable_names(self) -> list[str]:
         return [n for n, p in self.model.named_parameters() if p.requires_grad]
@@ -236,8 +239,8 @@ class DataParallelWorker(LocalWorker):
         named = ckpt_lib.optimizer_state_by_name(state, self.trainable_names())
         osd = {"state": {ROOT + k: v for k, v in named["state"].items()},
                "param_groups": [{**g, "params": [ROOT + p for p in g["params"]]} for g in named["param_groups"]]}
-        set_optimizer_state_dict(self.wrapped, self.optimizer, osd,
-                                 options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(self.wrapped, self.optimizer, osd,     # rank 0's state is the one used
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -57,21 +57,17 @@ def fixed_batch(tok, n_groups: int = 4, G: int = 4, seed: int = 0) -> Batch:
 
 
 def record_gradients(worker, grads: list):
-    """Keep a full copy of the gradient each optimizer step applies (observing, not replacing, it)."""
-    step = worker.optimizer.step
+    """Keep a full copy of the gradient each optimizer step applies (a step pre-hook: observing it)."""
+    names = worker.trainable_names()
 
-    def recording(*a, **kw):
-        names = worker.trainable_names()
-        params = [p for grp in worker.optimizer.param_groups for p in grp["params"]]
+    def keep(optimizer, args, kwargs):
+        params = [p for grp in optimizer.param_groups for p in grp["params"]]
         full = {}
         for n, p in zip(names, params):
-            gr = p.grad
-            if hasattr(gr, "full_tensor"):
-                gr = gr.full_tensor()
-            full[n] = gr.detach().clone()
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            full[n] = g.detach().clone()
         grads.append(full)
-        return step(*a, **kw)
-    worker.optimizer.step = recording
+    worker.optimizer.register_step_pre_hook(keep)
 
 
 def train_one_step(worker, batch, beta: float = 0.05) -> tuple[dict, dict]:
@@ -87,26 +83,94 @@ def train_one_step(worker, batch, beta: float = 0.05) -> tuple[dict, dict]:
     return m, grads[0]
 
 
-def equivalence(out: Path, mode: str, agg: str) -> None:
+COMBINATIONS = [(mode, agg) for mode in ("ddp", "fsdp2") for agg in ("token_mean", "seq_mean_token_mean")]
+
+
+def equivalence(out: Path) -> None:
+    """One training step on this rank's whole groups of `fixed_batch`, for DDP and FSDP2 and a token-
+    and a sequence-level aggregation: OUT/rank<R>_<mode>_<agg>.pt holds the metrics, the applied
+    gradient and the weights after the step."""
+    from dataclasses import replace
+
     from grpokit.train.batch import shard_groups
     from grpokit.train.dist_worker import DataParallelWorker
 
-    cfg = equivalence_config(agg, mode)
-    ctx = distributed.init(cfg)
+    ctx = distributed.init(equivalence_config("token_mean", "fsdp2"))
     try:
-        model, tok = tiny_policy()
-        reference = reference_for(cfg, model)
-        worker = DataParallelWorker(cfg, model, tok, reference, ctx)
-        local = shard_groups(fixed_batch(tok), ctx.rank, ctx.world)
-        m, grads = train_one_step(worker, local)
-        weights = dict(worker.export_weights())
-        torch.save({"metrics": {k: v for k, v in m.items() if k != "guard/causes"}, "grads": grads,
-                    "weights": weights}, out / f"rank{ctx.rank}.pt")
+        for mode, agg in COMBINATIONS:
+            cfg = equivalence_config(agg, mode)
+            model, tok = tiny_policy()
+            worker = DataParallelWorker(cfg, model, tok, reference_for(cfg, model), replace(ctx, mode=mode))
+            m, grads = train_one_step(worker, shard_groups(fixed_batch(tok), ctx.rank, ctx.world))
+            weights = dict(worker.export_weights())
+            torch.save({"metrics": {k: v for k, v in m.items() if k != "guard/causes"}, "grads": grads,
+                        "weights": weights}, out / f"rank{ctx.rank}_{mode}_{agg}.pt")
     finally:
         distributed.shutdown()
+
+
+def conformance(out: Path) -> None:
+    """The reusable worker checks (tests/train/worker_conformance.py) on DDP and FSDP2 workers."""
+    from dataclasses import replace
+
+    from grpokit.train.batch import shard_groups
+    from grpokit.train.dist_worker import DataParallelWorker
+    from tests.train.worker_conformance import check_worker
+
+    cfg = equivalence_config("token_mean", "fsdp2")
+    ctx = distributed.init(cfg)
+    try:
+        for mode in ("ddp", "fsdp2"):
+            def make_worker():
+                model, tok = tiny_policy()
+                return DataParallelWorker(cfg, model, tok, reference_for(cfg, model), replace(ctx, mode=mode))
+
+            def make_batch(worker):
+                return shard_groups(fixed_batch(worker_tok), ctx.rank, ctx.world)
+
+            worker_tok = tiny_policy()[1]
+            check_worker(make_worker, make_batch)
+            (out / f"rank{ctx.rank}_{mode}.ok").write_text("ok")
+    finally:
+        distributed.shutdown()
+
+
+def mismatch(out: Path) -> None:
+    """Each rank starts with its own seed: the job must refuse to start."""
+    import os
+
+    from grpokit.errors import ConfigError
+
+    cfg = load_config(None, [f"train.seed={os.environ['RANK']}", "train.distributed=ddp", "train.dist_timeout_s=60"])
+    try:
+        distributed.init(cfg)
+    except ConfigError as exc:
+        (out / f"rank{os.environ['RANK']}.err").write_text(str(exc))
+    finally:
+        distributed.shutdown()
+
+
+def train_filtered(out: Path, *argv) -> None:
+    """`grpokit train ARGV` where every group of rank 1 gets equal rewards (dynamic sampling filters
+    all of them) while rank 0's vary."""
+    import os
+
+    from grpokit.cli import main
+    from grpokit.rewards import register
+
+    @register("rank0_varied")
+    def rank0_varied(prompts, completions, **columns):
+        if os.environ["RANK"] != "0":
+            return [0.0] * len(completions)
+        return [float(i % 2) for i in range(len(completions))]
+
+    code = main(list(argv))
+    (out / f"rank{os.environ['RANK']}.exit").write_text(str(code))
 
 
 if __name__ == "__main__":
     what, out = sys.argv[1], Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
-    {"equivalence": equivalence}[what](out, *sys.argv[3:])
+    programs = {"equivalence": equivalence, "conformance": conformance, "mismatch": mismatch,
+                "train_filtered": train_filtered}
+    programs[what](out, *sys.argv[3:])

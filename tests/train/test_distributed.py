@@ -1,0 +1,250 @@
+"""Data-parallel training (DDP, FSDP2) on 2 CPU processes with gloo, launched by torchrun.
+
+Every multi-process run is marked `slow` and `distributed` (`make test-dist`; `make test` leaves them
+out: together they take minutes on 2 cores): 2 processes on a global batch give the loss and
+gradient of one process on it (DDP and FSDP2, token- and sequence-level aggregation); the DDP and
+FSDP2 workers pass the reusable worker checks; ranks with different configs are refused; a rank
+whose groups are all filtered does not hang the job; resume at 2 and at 1 process; a rank killed
+with SIGKILL. The unit checks of the collective helpers' arithmetic need no process group.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import psutil
+import pytest
+import torch
+
+from grpokit.config import load_config
+from grpokit.errors import ConfigError
+from grpokit.train import checkpoint as ckpt_lib
+from grpokit.train import distributed
+from grpokit.train.build import reference_for
+from grpokit.train.worker import LocalWorker
+from tests.fixtures import small_overrides, tiny_run_inputs
+from tests.train import torchrun
+from tests.train.dist_programs import COMBINATIONS, equivalence_config, fixed_batch, tiny_policy, train_one_step
+
+
+# ---------------------------------------------------------------------- unit: no process group
+def test_auto_is_fsdp2_beyond_one_process_and_none_alone():
+    assert distributed.resolve_mode("auto", 1) == "none"
+    assert distributed.resolve_mode("auto", 4) == "fsdp2"
+    assert distributed.resolve_mode("ddp", 2) == "ddp"
+    with pytest.raises(ConfigError, match="WORLD_SIZE=2"):
+        distributed.resolve_mode("none", 2)
+
+
+def test_single_process_never_joins_a_process_group(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert distributed.init(load_config(None, [])) is None
+    assert not torch.distributed.is_initialized()
+
+
+def test_groups_must_divide_over_the_ranks():
+    cfg = load_config(None, ["rollout.group_size=4", "rollout.batch_size=12"])     # 3 prompts per step
+    with pytest.raises(ConfigError, match="not divisible by the world size 2"):
+        distributed.check_config(cfg, 2)
+    distributed.check_config(cfg, 3)
+
+
+class _Ranks(distributed.DistContext):
+    """A context whose all-gather returns given per-rank values (the quota arithmetic alone)."""
+
+    def __init__(self, rank, counts):
+        super().__init__(mode="ddp", rank=rank, world=len(counts), local_rank=rank, device=torch.device("cpu"))
+        self.counts = counts
+
+    def gather(self, obj):
+        return list(self.counts)
+
+
+def test_dynamic_sampling_quota_is_filled_in_rank_order():
+    # 5 groups still wanted; the ranks found 3, 0 and 4: rank 0 keeps 3, rank 1 none, rank 2 the other 2
+    assert [_Ranks(r, [3, 0, 4]).keep_groups([3, 0, 4][r], 5) for r in range(3)] == [(3, 5), (0, 5), (2, 5)]
+    assert [_Ranks(r, [1, 0]).keep_groups([1, 0][r], 4) for r in range(2)] == [(1, 1), (0, 1)]
+
+
+def test_metric_reductions():
+    assert distributed.reduction("loss/policy") == "sum"
+    assert distributed.reduction("policy/ratio_max") == "max"
+    assert distributed.reduction("time/rollout") == "max"
+    assert distributed.reduction("policy/logprob_min") == "min"
+    assert distributed.reduction("reward/mean") == "mean"
+
+
+def test_step_seeds_differ_by_rank_and_step_and_repeat():
+    a, b = _Ranks(0, [0, 0]), _Ranks(1, [0, 0])
+    assert a.step_seed(0, 3) == _Ranks(0, [0, 0]).step_seed(0, 3)
+    assert len({a.step_seed(0, 3), b.step_seed(0, 3), a.step_seed(0, 4), a.step_seed(1, 3)}) == 4
+
+
+def test_optimizer_state_moves_between_numbered_and_named():
+    model, _ = tiny_policy()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.tensor([[4, 5, 6]])).logits.sum().backward()
+    opt.step()
+    names = [n for n, _ in model.named_parameters()]
+    named = ckpt_lib.optimizer_state_by_name(opt.state_dict(), names)
+    assert set(named["state"]) == set(names)
+    back = ckpt_lib.optimizer_state_by_index(named, names)
+    for i, st in opt.state_dict()["state"].items():
+        assert torch.equal(back["state"][i]["exp_avg"], st["exp_avg"])
+    with pytest.raises(RuntimeError, match="does not train"):
+        ckpt_lib.optimizer_state_by_index(named, names[1:])
+
+
+# ---------------------------------------------------------------------- 2 processes
+@pytest.fixture(scope="module")
+def equivalence_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("equivalence")
+    torchrun.run(2, torchrun.program("equivalence", out), timeout=300)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode,agg", COMBINATIONS)
+def test_two_processes_give_the_one_process_gradient(equivalence_runs, mode, agg):
+    """Each rank trains on its whole groups of a 4-group batch; the single process on all of it.
+    float64: loss, applied gradient and updated weights agree to rounding."""
+    cfg = equivalence_config(agg, "none")
+    model, tok = tiny_policy()
+    worker = LocalWorker(cfg, model, tok, reference_for(cfg, model))
+    m, grads = train_one_step(worker, fixed_batch(tok))
+    weights = dict(worker.export_weights())
+    assert max(float(g.abs().max()) for g in grads.values()) > 1e-3       # a real gradient to compare
+    for rank in (0, 1):
+        got = torch.load(equivalence_runs / f"rank{rank}_{mode}_{agg}.pt", weights_only=False)
+        for key in ("loss/policy", "loss/total"):
+            assert got["metrics"][key] == pytest.approx(m[key], rel=0, abs=1e-12), key
+        assert got["grads"].keys() == grads.keys()
+        for n in grads:
+            torch.testing.assert_close(got["grads"][n], grads[n], rtol=0, atol=1e-12, msg=n)
+        for n in weights:
+            torch.testing.assert_close(got["weights"][n], weights[n], rtol=0, atol=1e-12, msg=n)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_data_parallel_workers_pass_the_worker_checks(tmp_path):
+    torchrun.run(2, torchrun.program("conformance", tmp_path), timeout=300)
+    assert sorted(p.name for p in tmp_path.glob("*.ok")) == [
+        "rank0_ddp.ok", "rank0_fsdp2.ok", "rank1_ddp.ok", "rank1_fsdp2.ok"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ranks_with_different_configs_are_refused(tmp_path):
+    torchrun.run(2, torchrun.program("mismatch", tmp_path), timeout=120)
+    errors = {p.name: p.read_text() for p in tmp_path.glob("*.err")}
+    assert sorted(errors) == ["rank0.err", "rank1.err"]
+    assert all("different configs (ranks [1] differ from rank 0)" in e for e in errors.values())
+
+
+# ---------------------------------------------------------------------- end-to-end (make test-dist)
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    return tiny_run_inputs(tmp_path_factory.mktemp("dist_inputs"))
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train_args(inputs, run_dir, **extra) -> list[str]:
+    _, model_dir, train, _ = inputs
+    return ["-m", "grpokit", "train", *small_overrides(model_dir, train, run_dir, **{
+        "train.dist_timeout_s": 60, "train.check_rewards": "false", "train.batch_advice": "false", **extra})]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_rank_whose_groups_are_all_filtered_does_not_hang(tmp_path, inputs):
+    """Dynamic sampling: rank 1's groups all score alike every round; the job still finishes, and
+    the global quota of kept groups comes from rank 0."""
+    _, model_dir, train, _ = inputs
+    run_dir = tmp_path / "run"
+    argv = ["train", *small_overrides(model_dir, train, run_dir, **{
+        "rollout.dynamic_sampling": "true", "rollout.max_sampling_rounds": 3, "rewards": "[{name: rank0_varied}]",
+        "train.steps": 2, "train.dist_timeout_s": 60, "train.check_rewards": "false",
+        "train.batch_advice": "false", "train.distributed": "ddp"})]
+    torchrun.run(2, torchrun.program("train_filtered", tmp_path, *argv), timeout=150)
+    assert [(tmp_path / f"rank{r}.exit").read_text() for r in (0, 1)] == ["0", "0"]
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:    # 4 prompts per step, 2 per rank per round: rank 0 alone needs 2 rounds
+        assert r["dynamic/kept_groups"] == 4 and r["dynamic/rounds"] == 2
+
+
+_NOT_REPRODUCED = ("time/", "throughput/", "memory/")
+
+
+def _same_metrics(a: dict, b: dict) -> None:
+    keys = [k for k in a if not k.startswith(_NOT_REPRODUCED) and k not in ("time", "step")]
+    assert keys and set(keys) <= set(b)
+    for k in keys:
+        assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-9, nan_ok=True), k
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_resume_at_two_and_at_one_process(tmp_path, inputs):
+    """A 2-process run saves every step; resumed at 2 from step 2, step 3 repeats the uninterrupted
+    run's metrics exactly. Resumed at 1 it continues from the same weights, optimizer and data
+    position (its sampling stream is rank 0's alone, so its metrics differ)."""
+    full = tmp_path / "full"
+    torchrun.run(2, _train_args(inputs, full, **{"train.steps": 3, "train.save_every": 1, "train.keep_last": 5,
+                                                 "train.distributed": "fsdp2"}), timeout=150)
+    expected = _rows(full)[-1]
+    assert expected["step"] == 3
+    for world in (2, 1):
+        run_dir = tmp_path / f"resumed{world}"
+        (run_dir / "checkpoints").mkdir(parents=True)
+        shutil.copytree(full / "checkpoints" / "step_000002", run_dir / "checkpoints" / "step_000002")
+        torchrun.run(world, _train_args(inputs, run_dir, **{"train.steps": 3, "train.distributed": "fsdp2"})
+                     + ["--resume"], timeout=150)
+        got = _rows(run_dir)
+        assert [r["step"] for r in got] == [3]
+        if world == 2:
+            _same_metrics(expected, got[0])
+        else:
+            assert got[0]["optim/lr"] == expected["optim/lr"] and got[0]["kl/beta"] == expected["kl/beta"]
+
+
+def _ranks_of(proc) -> list[psutil.Process]:
+    return [c for c in psutil.Process(proc.pid).children(recursive=True) if "grpokit" in " ".join(c.cmdline())]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_killed_rank_stops_the_job_and_resume_continues(tmp_path, inputs):
+    run_dir = tmp_path / "run"
+    proc = torchrun.start(2, _train_args(inputs, run_dir, **{"train.steps": 400, "train.save_every": 1,
+                                                             "train.distributed": "fsdp2"}))
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and ckpt_lib.latest_checkpoint(run_dir) in (
+                None, ckpt_lib.checkpoint_path(run_dir, 0)):
+            assert proc.poll() is None, proc.stdout.read()[-4000:]
+            time.sleep(0.5)
+        ranks = _ranks_of(proc)
+        assert len(ranks) == 2, ranks
+        victim = max(ranks, key=lambda p: p.pid)
+        victim.kill()
+        t0 = time.monotonic()
+        code = proc.wait(timeout=60)                   # the others stop in bounded time
+        stopped_after = time.monotonic() - t0
+        out = proc.stdout.read()
+    finally:
+        torchrun.kill_group(proc)
+    assert code != 0 and stopped_after < 60
+    assert "SIGKILL" in out or "Signal 9" in out, out[-3000:]
+    last = ckpt_lib.latest_checkpoint(run_dir)
+    step = int(last.name.split("_")[1])
+    torchrun.run(2, _train_args(inputs, run_dir, **{"train.steps": step + 1, "train.distributed": "fsdp2"})
+                 + ["--resume"], timeout=150)
+    assert _rows(run_dir)[-1]["step"] == step + 1
