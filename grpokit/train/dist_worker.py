@@ -31,7 +31,7 @@ from grpokit.train import checkpoint as ckpt_lib
 from grpokit.train.distributed import DistContext, gathered
 from grpokit.train.guard import NonFiniteStep
 from grpokit.train.logprobs import MicroBatch, completion_logprobs, unwrap
-from grpokit.train.lora import is_peft, merged_state_dict
+from grpokit.train.lora import is_peft, merged_state_dict, save_policy
 from grpokit.train.worker import LocalWorker
 
 ROOT = "policy."      # the parameter-name prefix PolicyForward adds
@@ -187,9 +187,12 @@ class DataParallelWorker(LocalWorker):
     def save_weights(self, path, *, merged: bool = False) -> None:
         """Gather the full weights on every rank; rank 0 writes them (`path` None: gather only)."""
         if is_peft(self.model):
+            # gathered, the modules hold full tensors in FSDP's buffers: the adapters are saved from
+            # copies. (state_dict() would register the shards again: named_parameters() it is.)
             with self.gathered():
                 if path is not None and self.ctx.is_main:
-                    super().save_weights(path, merged=merged)
+                    state = {k: v.detach().clone() for k, v in self.model.named_parameters()}
+                    save_policy(self.model, path, merged=merged, state_dict=state)
             return
         full = {n: t for n, t in self.export_weights()}
         if path is not None and self.ctx.is_main:

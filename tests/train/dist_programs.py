@@ -135,6 +135,46 @@ def conformance(out: Path) -> None:
         distributed.shutdown()
 
 
+def lora_config(mode: str = "fsdp2"):
+    return load_config(None, [
+        "rollout.group_size=4", "rollout.batch_size=16", "rollout.max_new_tokens=6", "rollout.temperature=1.0",
+        "algorithm.kl.beta=0.05", "algorithm.kl.controller=fixed", "optim.micro_batch_size=3", "optim.lr=5e-2",
+        "lora.enabled=true", "lora.rank=4", "lora.reference=copy", f"train.distributed={mode}",
+        "train.dist_timeout_s=60", "monitor.sinks=[jsonl]"])
+
+
+def lora(out: Path) -> None:
+    """LoRA under FSDP2: two training steps on this rank's groups; OUT/changed.json names the
+    parameters that moved, OUT/merged the exported merged model, OUT/merged/adapter the adapters."""
+    import json
+
+    from grpokit.train.batch import shard_groups
+    from grpokit.train.build import build_policy
+    from grpokit.train.dist_worker import DataParallelWorker
+
+    cfg = lora_config()
+    ctx = distributed.init(cfg)
+    try:
+        model, tok = tiny_policy()
+        policy, reference = build_policy(cfg, model.float())
+        worker = DataParallelWorker(cfg, policy, tok, reference, ctx)
+        full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t    # noqa: E731
+        before = {n: full(p.detach()).clone() for n, p in worker.model.named_parameters()}
+        for step in range(2):
+            batch = shard_groups(fixed_batch(tok, seed=step), ctx.rank, ctx.world)
+            batch.ref_logp = worker.logprobs(batch, "reference")
+            worker.train_step(batch, 0.05, step=step)
+        after = {n: full(p.detach()).clone() for n, p in worker.model.named_parameters()}
+        changed = sorted(n for n in before if not torch.equal(before[n], after[n]))
+        worker.save_weights(out / "merged" if ctx.is_main else None, merged=True)
+        exported = dict(worker.export_weights())
+        if ctx.is_main:
+            (out / "changed.json").write_text(json.dumps(changed))
+            torch.save(exported, out / "exported.pt")
+    finally:
+        distributed.shutdown()
+
+
 def mismatch(out: Path) -> None:
     """Each rank starts with its own seed: the job must refuse to start."""
     import os
@@ -172,5 +212,5 @@ if __name__ == "__main__":
     what, out = sys.argv[1], Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
     programs = {"equivalence": equivalence, "conformance": conformance, "mismatch": mismatch,
-                "train_filtered": train_filtered}
+                "train_filtered": train_filtered, "lora": lora}
     programs[what](out, *sys.argv[3:])

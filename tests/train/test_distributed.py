@@ -248,3 +248,32 @@ def test_a_killed_rank_stops_the_job_and_resume_continues(tmp_path, inputs):
     torchrun.run(2, _train_args(inputs, run_dir, **{"train.steps": step + 1, "train.distributed": "fsdp2"})
                  + ["--resume"], timeout=150)
     assert _rows(run_dir)[-1]["step"] == step + 1
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_lora_under_fsdp2_trains_only_adapters_and_exports_the_merge(tmp_path):
+    """Two steps of LoRA on an FSDP2-sharded policy: only adapter weights move; the merged model
+    rank 0 writes gives the logits of the same adapters merged by PEFT in one unsharded process."""
+    from transformers import AutoModelForCausalLM
+
+    from grpokit.train.lora import load_adapter_weights, wrap_lora
+    from tests.train.dist_programs import lora_config
+
+    torchrun.run(2, torchrun.program("lora", tmp_path), timeout=300)
+    changed = json.loads((tmp_path / "changed.json").read_text())
+    assert changed and all(".lora_A." in n or ".lora_B." in n for n in changed)
+    assert any(".lora_B." in n for n in changed)               # B starts at 0: the update is real
+    model, _ = tiny_policy()
+    peft_model = wrap_lora(model.float(), lora_config().lora)
+    load_adapter_weights(peft_model, tmp_path / "merged")
+    reference = peft_model.merge_and_unload().eval()
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
+        assert not torch.allclose(tiny_policy()[0].float()(ids).logits, reference(ids).logits, atol=1e-4)
+    streamed = torch.load(tmp_path / "exported.pt")                # export_weights: the same merge
+    for n, t in exported.state_dict().items():
+        if n in streamed:
+            torch.testing.assert_close(streamed[n].float(), t, rtol=0, atol=1e-6, msg=n)
