@@ -15,7 +15,7 @@ PY            := $(VENV)/bin/python
 STAMP         := $(VENV)/.grpokit-installed
 export OMP_NUM_THREADS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: setup test test-fast test-dist demo demo-quick compare bench clean help
+.PHONY: setup test test-fast test-dist demo demo-quick compare bench bench-scale clean help
 
 help:
 	@echo "make demo       GRPO teaches a tiny model arithmetic on this CPU (embedded, nothing downloaded)"
@@ -23,6 +23,7 @@ help:
 	@echo "make test-fast  unit tier only (no end-to-end runs)"
 	@echo "make test-dist  multi-process training under torchrun (DDP, FSDP2; minutes)"
 	@echo "make bench      benchmark against TRL in the same run (see docs/performance.md; BENCH_ARGS=--help)"
+	@echo "make bench-scale  1 process x 2 threads vs 2 processes x 1 thread, FSDP2 (docs/distributed.md)"
 
 setup: $(STAMP)
 
@@ -65,6 +66,10 @@ $(BENCH_STAMP): Makefile
 
 bench: $(STAMP) $(BENCH_STAMP)
 	$(PY) bench/run.py --trl-python $(BENCH_VENV)/bin/python $(BENCH_ARGS)
+
+# One process x 2 threads vs 2 processes x 1 thread (FSDP2) on the benchmark's large model
+bench-scale: $(STAMP)
+	$(PY) bench/scale.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-bench .pytest_cache runs

@@ -162,10 +162,24 @@ class DataParallelWorker(LocalWorker):
 
     def train_step(self, batch, beta: float, *, step: int = 0) -> dict:
         out = super().train_step(batch, beta, step=step)
+        out["memory/train_state_mb"] = self.train_state_bytes() / 2**20
         causes = out.pop("guard/causes")
         out = self.ctx.reduce_metrics(out)
         out["guard/causes"] = causes
         return out
+
+    def train_state_bytes(self) -> int:
+        """Bytes this rank holds for parameters, their gradients (one per trainable parameter, alive
+        during the update) and the optimizer state: with FSDP2 about 1/world of one process's."""
+        def local(t):
+            return t.to_local() if hasattr(t, "to_local") else t
+        params = [local(p) for p in self.model.parameters()]
+        n = sum(t.numel() * t.element_size() for t in params)
+        n += sum(local(p).numel() * local(p).element_size() for p in self.model.parameters() if p.requires_grad)
+        for st in self.optimizer.state.values():
+            n += sum(local(v).numel() * local(v).element_size() for v in st.values()
+                     if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return n
 
     # ------------------------------------------------------------------ weights and state
     def gathered(self):

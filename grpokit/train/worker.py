@@ -55,6 +55,15 @@ class TrainingWorker(Protocol):
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full, Hugging Face-named tensors of the current policy (LoRA merged, out of place)."""
 
+    def save_weights(self, path, *, merged: bool = False) -> None:
+        """Write the policy into a checkpoint folder (`path` None: a rank that does not write)."""
+
+    def load_weights(self, ckpt) -> None:
+        """Load a checkpoint's policy weights in place."""
+
+    def load_optimizer_state(self, state: dict) -> None:
+        """Load an optimizer state (numbered, or keyed by parameter name from any world size)."""
+
 
 def lr_lambda(warmup_steps: int, schedule: str, total: int):
     """Learning-rate factor per optimizer step: linear warm-up, then constant, cosine or linear decay."""
