@@ -309,3 +309,22 @@ def test_two_processes_teach_the_demo_task(tmp_path, demo_inputs):
     before = next(r["eval/pass@1"] for r in rows if r["step"] == 0)
     after = next(r["eval/pass@1"] for r in rows if r["step"] == 30)
     assert after >= before + 0.15, (before, after)
+
+
+def test_export_writes_a_plain_model_and_refuses_an_incomplete_checkpoint(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from grpokit.cli import main
+
+    model, tok = tiny_policy()
+    model = model.float()
+    ck = ckpt_lib.save_checkpoint(tmp_path / "run", 3, model, tok, {"step": 3})
+    assert main(["export", str(ck), str(tmp_path / "out")]) == 0
+    out = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    for n, t in model.state_dict().items():
+        assert torch.equal(out.state_dict()[n], t), n
+    assert (tmp_path / "out" / "tokenizer_config.json").is_file()
+    assert main(["export", str(ck), str(tmp_path / "out")]) == 2              # not over a non-empty folder
+    (ck / ckpt_lib.MARKER).unlink()
+    assert main(["export", str(ck), str(tmp_path / "again")]) == 2
+    assert "not a complete checkpoint" in capsys.readouterr().err
