@@ -5,7 +5,9 @@ out: together they take minutes on 2 cores): 2 processes on a global batch give 
 gradient of one process on it (DDP and FSDP2, token- and sequence-level aggregation); the DDP and
 FSDP2 workers pass the reusable worker checks; ranks with different configs are refused; a rank
 whose groups are all filtered does not hang the job; resume at 2 and at 1 process; a rank killed
-with SIGKILL. The unit checks of the collective helpers' arithmetic need no process group.
+with SIGKILL; LoRA under FSDP2; 2 processes teach the demo task (after the demo's one-minute warm
+start). The unit checks of the collective helpers' arithmetic, and `grpokit export`, need no
+process group.
 """
 
 from __future__ import annotations
