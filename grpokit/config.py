@@ -410,6 +410,14 @@ class TrainConfig(_Section):
     reset to null."""
     progress: bool = True
     """Show a progress bar."""
+    distributed: Literal["auto", "none", "ddp", "fsdp2"] = "auto"
+    """Training on several processes (launched by `torchrun`, or `grpokit train --nproc N`;
+    docs/distributed.md): `fsdp2` shards parameters, gradients and optimizer state over the ranks,
+    `ddp` keeps a full copy on each; `auto` is fsdp2 when WORLD_SIZE > 1, else `none` (this process
+    alone, torch.distributed never imported)."""
+    dist_timeout_s: float = Field(300.0, gt=0)
+    """Seconds a collective operation waits for the other ranks before failing (a dead rank then
+    stops the job in bounded time instead of torch's 30-minute default)."""
 
 
 class LoraSection(_Section):

@@ -61,6 +61,7 @@ def build_trainer(cfg, *, model=None, tokenizer=None, health=True, dataset=None,
     `dataset` / `eval_dataset`: `PromptDataset`s (grpokit.data.datasets) instead of `data.path` /
     `data.eval_path`'s."""
     from grpokit.monitor.sinks import check_sinks
+    from grpokit.train import distributed
     from grpokit.train.build import build_policy, load_tokenizer
     from grpokit.train.loop import Trainer
     from grpokit.train.model import check_round_trip
@@ -69,6 +70,7 @@ def build_trainer(cfg, *, model=None, tokenizer=None, health=True, dataset=None,
     check_sinks(cfg)          # a missing wandb / mlflow package: one line now, before the model loads
     # the prompts, and the columns the rewards read, are checked before the (slow) model loading
     dataset, eval_ds = load_datasets(cfg, dataset, eval_dataset)
+    dist_ctx = distributed.init(cfg)          # None for a single process (docs/distributed.md)
     m = cfg.model
     if tokenizer is None:
         tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code, gguf_file=m.gguf_file)
@@ -82,5 +84,10 @@ def build_trainer(cfg, *, model=None, tokenizer=None, health=True, dataset=None,
             check_prompts(encoder, ds.rows, ds.source or what, max_new_tokens=cfg.rollout.max_new_tokens,
                           positions=max_positions(model))
     rewards = build_rewards(cfg)
-    monitor = build_health(cfg) if health else None
-    return Trainer(cfg, model, tokenizer, dataset, rewards, eval_dataset=eval_ds, health=monitor, reference=reference)
+    worker = None
+    if dist_ctx is not None:                  # DDP / FSDP2 over this rank's copy of the policy
+        from grpokit.train.dist_worker import DataParallelWorker
+        worker = DataParallelWorker(cfg, model, tokenizer, reference, dist_ctx)
+    monitor = build_health(cfg) if health and (dist_ctx is None or dist_ctx.is_main) else None
+    return Trainer(cfg, model, tokenizer, dataset, rewards, eval_dataset=eval_ds, health=monitor, reference=reference,
+                   worker=worker)

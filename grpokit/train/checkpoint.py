@@ -61,17 +61,23 @@ def _discard(root: Path, ckpt: Path) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, *, keep_last: int = 2,
-                    healthy: bool = True, merged: bool = False, keep_healthy: int = 1) -> Path:
+                    healthy: bool = True, merged: bool = False, keep_healthy: int = 1,
+                    save_weights=None) -> Path:
     """Write RUN_DIR/checkpoints/step_NNNNNN atomically: into `.tmp_step_*`, every file fsynced, the
-    COMPLETE marker last, then one rename. Returns the checkpoint's path."""
+    COMPLETE marker last, then one rename. Returns the checkpoint's path. `save_weights(folder)`
+    writes the policy (a training worker's own saving, e.g. gathered from shards); by default
+    `model`'s."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:06d}"
+    final = checkpoint_path(run_dir, step)
     tmp = root / f".tmp_step_{step:06d}_{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_policy(model, tmp, merged=merged)      # a LoRA policy: adapters, or merged + adapter/ (lora.save)
+    if save_weights is not None:
+        save_weights(tmp)
+    else:                                       # a LoRA policy: adapters, or merged + adapter/ (lora.save)
+        save_policy(model, tmp, merged=merged)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     torch.save(state, tmp / "trainer_state.pt")
@@ -91,6 +97,10 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, *, 
         _write_atomic(root / "HEALTHY", final.name)
     _prune(root, keep_last, keep_healthy)
     return final
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -235,3 +245,30 @@ def load_weights(model, ckpt: Path) -> None:
     if set(missing) - tied or unexpected:
         raise RuntimeError(f"{ckpt}: weights do not match the model (missing {sorted(set(missing) - tied)[:3]}, "
                            f"unexpected {sorted(unexpected)[:3]})")
+
+
+def optimizer_state_by_index(state: dict, names: list[str]) -> dict:
+    """An optimizer state as `torch.optim.Optimizer.load_state_dict` takes it (parameters numbered
+    in order) for an optimizer over the parameters `names`. A state keyed by parameter name (what
+    `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict` gives a data-parallel run,
+    and what lets a checkpoint move between world sizes) is renumbered; a numbered one is returned
+    as it is."""
+    groups = state.get("param_groups", [])
+    if not any(isinstance(p, str) for g in groups for p in g["params"]):
+        return state
+    index = {n: i for i, n in enumerate(names)}
+    unknown = sorted({p for g in groups for p in g["params"]} - set(index))
+    if unknown:
+        raise RuntimeError(f"optimizer state names parameters this model does not train: {unknown[:3]}")
+    return {"state": {index[k]: v for k, v in state["state"].items()},
+            "param_groups": [{**g, "params": [index[p] for p in g["params"]]} for g in groups]}
+
+
+def optimizer_state_by_name(state: dict, names: list[str]) -> dict:
+    """The inverse of `optimizer_state_by_index`: a numbered optimizer state keyed by the names of
+    the optimizer's parameters, in order (a name-keyed one is returned as it is)."""
+    groups = state.get("param_groups", [])
+    if any(isinstance(p, str) for g in groups for p in g["params"]):
+        return state
+    return {"state": {names[k]: v for k, v in state["state"].items()},
+            "param_groups": [{**g, "params": [names[p] for p in g["params"]]} for g in groups]}

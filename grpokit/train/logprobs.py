@@ -187,16 +187,19 @@ def _completion_logprobs(model, mb, temperature, chunk_tokens, want_entropy, log
 
 @torch.no_grad()
 def padded_logprobs(model, mbs: list[MicroBatch], shape: tuple[int, int], *, temperature: float = 1.0,
-                    chunk_tokens: int = 1024) -> torch.Tensor:
+                    chunk_tokens: int = 1024, forward=None) -> torch.Tensor:
     """Log-probs of the rows covered by `mbs` under `model`, as a [B, T] CPU tensor in the model's
     output dtype (float32 when nothing is computed); rows not covered and positions past a row's
-    end hold 0. The model runs in eval mode (no dropout) unless the caller installed dropout hooks."""
+    end hold 0. The model runs in eval mode (no dropout) unless the caller installed dropout hooks.
+    `forward(mb)`: what computes a micro-batch's (log-probs, entropy), if not `completion_logprobs`
+    on `model` (a data-parallel worker's wrapped module)."""
     out = None
     was = model.training
     model.eval()
     try:
         for mb in mbs:
-            lp, _ = completion_logprobs(model, mb, temperature=temperature, chunk_tokens=chunk_tokens)
+            lp, _ = (forward(mb) if forward is not None else
+                     completion_logprobs(model, mb, temperature=temperature, chunk_tokens=chunk_tokens))
             L = lp.shape[1]
             if out is None:
                 out = torch.zeros(shape, dtype=lp.dtype)

@@ -39,13 +39,14 @@ from grpokit.train import batch as batch_lib
 from grpokit.train.batch import Batch
 from grpokit.train.build import batch_advice, reference_for
 from grpokit.train.kl_control import build_kl_controller
-from grpokit.train.checkpoint import load_state, load_weights, nothing_to_resume
+from grpokit.train.checkpoint import load_state, nothing_to_resume
 from grpokit.train.evaluate import held_out
 from grpokit.train.guard import Guard
 from grpokit.train.prompts import PromptEncoder
 from grpokit.train.reference import ReferenceProbe
 from grpokit.train.rundir import RunDir, rollback, rss_mb
 from grpokit.train.transforms import DynamicSampling, StepContext, build_transforms, passed, rewards_tensor
+from grpokit.train.distributed import GatheredEngine
 from grpokit.train.worker import LocalWorker
 
 log = logging.getLogger("grpokit.train")
@@ -64,9 +65,13 @@ class Trainer:
         self.dataset, self.eval_dataset, self.rewards = dataset, eval_dataset, reward_set
         self.worker = worker or LocalWorker(cfg, model, tokenizer,
                                             reference if reference is not None else reference_for(cfg, model))
-        self.run = RunDir(cfg)
+        # one rank of a data-parallel job (grpokit.train.distributed): its DistContext, else None
+        self.dp = getattr(self.worker, "ctx", None)
+        self.run = RunDir(cfg, dist=self.dp)
         self.encoder = PromptEncoder(tokenizer, cfg.data.chat_template)
         self.engine = engine or build_engine(cfg.rollout.engine, self.worker.model, tokenizer)
+        if hasattr(self.worker, "gathered"):        # sharded weights: gathered once per rollout
+            self.engine = GatheredEngine(self.engine, self.worker)
         dev = next(self.worker.model.parameters()).device
         self.gen = torch.Generator(device="cpu" if dev.type == "cpu" else dev)
         self.gen.manual_seed(cfg.train.seed)
@@ -95,10 +100,17 @@ class Trainer:
         """One GRPO step; returns its metrics."""
         cfg, a = self.cfg, self.cfg.algorithm
         t_step = time.perf_counter()
+        if self.dp is not None:                     # each rank's own stream, from (seed, step, rank)
+            self.gen.manual_seed(self.dp.step_seed(cfg.train.seed, self.step_idx))
         try:
             batch, m = self.collect()                                   # 1-2: generate, score
+            failed = None
         except NonFiniteLogits as exc:                                  # nothing to score or update
-            return self._bad_rollout(str(exc), t_step)
+            failed = str(exc)
+        if self.dp is not None and self.dp.any(failed is not None):     # the ranks skip together
+            failed = failed or "another rank's rollout met non-finite logits"
+        if failed is not None:
+            return self._bad_rollout(failed, t_step)
         ctx = StepContext(self.step_idx)
         for transform in self.transforms:                               # 3
             batch = transform(batch, ctx)
@@ -133,11 +145,13 @@ class Trainer:
         self.kl_ctl.step(observed if math.isfinite(observed) else 0.0)
         m["time/step"] = time.perf_counter() - t_step
         self.last_batch = batch
-        return {**self.batch_metrics(batch, adv, adv_stats), "kl/beta": beta, **ctx.metrics, **m, **upd,
-                **self.guard.metrics(), **(self.reference.metrics() if self.reference is not None else {}),
-                **({"ref/integrity_drift": drift} if drift is not None else {}),
-                "throughput/tokens_per_s": float(batch.lengths.sum()) / max(m["time/step"], 1e-9),
-                "memory/rss_mb": rss_mb()}
+        out = {**self.batch_metrics(batch, adv, adv_stats), "kl/beta": beta, **ctx.metrics, **m, **upd,
+               **self.guard.metrics(), **(self.reference.metrics() if self.reference is not None else {}),
+               **({"ref/integrity_drift": drift} if drift is not None else {}),
+               "throughput/tokens_per_s": float(batch.lengths.sum()) / max(m["time/step"], 1e-9),
+               "memory/rss_mb": rss_mb()}
+        # the worker's metrics are already the job's; the rest are reduced over ranks
+        return out if self.dp is None else self.dp.reduce_metrics(out, agreed=set(upd))
 
     def sample(self, rows: list[dict]) -> RolloutBatch:
         r = self.cfg.rollout
@@ -176,20 +190,29 @@ class Trainer:
         self._engine_memory("resume_memory")          # a colocated engine gets its memory back
         for r in range(rounds):
             idx = self.draw_prompts(P)
+            if self.dp is not None:                   # this rank's whole groups of the global draw
+                idx = self.dp.my_prompts(idx)
             rows = [self.dataset[i] for i in idx]
             t = time.perf_counter()
             rb = self.sample(rows)
             t_roll += time.perf_counter() - t
             t = time.perf_counter()
-            fresh = self.score(batch_lib.from_rollout(rb, idx, rows, G, step=self.step_idx, first_group=r * P))
+            first = r * P if self.dp is None else self.dp.first_group(r, P)
+            fresh = self.score(batch_lib.from_rollout(rb, idx, rows, G, step=self.step_idx, first_group=first))
             t_rew += time.perf_counter() - t
             if self.dynamic is None:
                 kept = [fresh]
                 break
-            good = self.dynamic(fresh, StepContext(self.step_idx), want=P - n_kept)
+            if self.dp is None:
+                good = self.dynamic(fresh, StepContext(self.step_idx), want=P - n_kept)
+                n_new = len(good.groups)
+            else:                                     # the quota is global: ranks agree on the count
+                good = self.dynamic(fresh, StepContext(self.step_idx))
+                mine, n_new = self.dp.keep_groups(len(good.groups), P - n_kept)
+                good = batch_lib.slice_groups(good, good.groups[:mine])
             if len(good):
                 kept.append(good)
-                n_kept += len(good.groups)
+            n_kept += n_new
             if n_kept >= P:
                 break
         self._engine_memory("release_memory")         # ... and gives it to the update
@@ -321,7 +344,7 @@ class Trainer:
         ck = self.run.latest()
         if ck is None:
             return False
-        load_weights(self.model, ck)
+        self.worker.load_weights(ck)
         self.load_state_dict(load_state(ck))
         self.sync_weights()
         self.saved_at = (self.step_idx, self.clock())
@@ -390,10 +413,14 @@ class Trainer:
             if progress is not None:
                 progress(self.step_idx, metrics)
             last = metrics
-            if self.health is not None and getattr(self.health, "should_stop", False):
+            stop = self.health is not None and getattr(self.health, "should_stop", False)
+            out_of_time = bool(cfg.train.max_minutes) and self.clock() - started >= 60 * cfg.train.max_minutes
+            if self.dp is not None:                   # rank 0 monitors, clocks differ: every rank stops together
+                stop, out_of_time = self.dp.any(stop), self.dp.any(out_of_time)
+            if stop:
                 log.warning("stopping: a health alarm configured to stop fired")
                 break
-            if cfg.train.max_minutes and self.clock() - started >= 60 * cfg.train.max_minutes:
+            if out_of_time:
                 log.info("stopping after step %d: train.max_minutes=%g reached", self.step_idx, cfg.train.max_minutes)
                 break
         if self.saved_at[0] != self.step_idx:

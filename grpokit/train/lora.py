@@ -153,11 +153,12 @@ def _base_path(model) -> str:
     return str(cfg.base_model_name_or_path or "")
 
 
-def save_adapter(model, path: Path) -> None:
+def save_adapter(model, path: Path, state_dict: dict | None = None) -> None:
     """Adapters alone (adapter_model.safetensors + adapter_config.json). The base path recorded in
-    adapter_config.json is made absolute, so `grpokit eval --model DIR` finds it from anywhere."""
+    adapter_config.json is made absolute, so `grpokit eval --model DIR` finds it from anywhere.
+    `state_dict`: the model's state to take them from (e.g. copies of gathered FSDP2 shards)."""
     path = Path(path)
-    model.save_pretrained(path, safe_serialization=True)
+    model.save_pretrained(path, safe_serialization=True, **({"state_dict": state_dict} if state_dict is not None else {}))
     cfg_file = path / "adapter_config.json"
     data = json.loads(cfg_file.read_text())
     base = data.get("base_model_name_or_path") or ""
@@ -236,18 +237,18 @@ def save_merged(model, path: Path) -> None:
     save_file({k: v.cpu() for k, v in state.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
-def save_policy(model, path: Path, *, merged: bool = False) -> None:
+def save_policy(model, path: Path, *, merged: bool = False, state_dict: dict | None = None) -> None:
     """What a checkpoint holds for the policy. A plain model: `save_pretrained`. A LoRA model: its
     adapters; with `merged`, a plain merged model directory plus the adapters in `adapter/` (so that
-    `--resume` can restore them)."""
+    `--resume` can restore them). `state_dict`: the adapters' source, when not the live tensors."""
     path = Path(path)
     if not is_peft(model):
         model.save_pretrained(path, safe_serialization=True)
     elif merged:
         save_merged(model, path)
-        save_adapter(model, path / "adapter")
+        save_adapter(model, path / "adapter", state_dict)
     else:
-        save_adapter(model, path)
+        save_adapter(model, path, state_dict)
 
 
 def adapter_dir(ckpt: Path) -> Path | None:

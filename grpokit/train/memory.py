@@ -120,9 +120,11 @@ class Setup:
     micro_batch: int = 16
     chunk_tokens: int = 1024
     temperature: float = 1.0
+    world_size: int = 1                      # data-parallel ranks (docs/distributed.md)
+    distributed: str = "none"                # "none", "ddp" or "fsdp2"
 
 
-def setup_from_config(cfg, *, device: str | None = None, prompt_tokens: int = 256) -> Setup:
+def setup_from_config(cfg, *, device: str | None = None, prompt_tokens: int = 256, world_size: int = 1) -> Setup:
     import torch
 
     dev = device or ("cuda" if cfg.model.device.startswith("cuda") or
@@ -136,7 +138,13 @@ def setup_from_config(cfg, *, device: str | None = None, prompt_tokens: int = 25
                  double_quant=lc.double_quant, reference=ref, ref_device=k.ref_device,
                  group_size=cfg.rollout.group_size, batch_size=cfg.rollout.batch_size, prompt_tokens=prompt_tokens,
                  max_new_tokens=cfg.rollout.max_new_tokens, micro_batch=cfg.optim.micro_batch_size,
-                 chunk_tokens=cfg.optim.logprob_chunk, temperature=cfg.rollout.temperature)
+                 chunk_tokens=cfg.optim.logprob_chunk, temperature=cfg.rollout.temperature,
+                 world_size=world_size, distributed=_distributed_mode(cfg.train.distributed, world_size))
+
+
+def _distributed_mode(setting: str, world_size: int) -> str:
+    from grpokit.train.distributed import resolve_mode
+    return resolve_mode(setting, world_size)
 
 
 @dataclass
@@ -212,8 +220,23 @@ def kv_cache_bytes(shape: Shape, s: Setup) -> float:
     return s.batch_size * S * per_token * (1 + 1 / max(shape.layers, 1))   # + one layer being concatenated
 
 
+def sharded_working_set(shape: Shape, b: int) -> float:
+    """FSDP2's gathered parameters during a forward or backward pass: the root unit (embedding,
+    final norm, LM head: kept gathered through the pass) plus two decoder layers (the one running
+    and the next one being prefetched)."""
+    per_layer = shape.linear_params / max(shape.layers, 1) + 2 * shape.hidden     # + its two norms
+    root = max(shape.params - shape.layers * per_layer, 0)
+    return (root + 2 * per_layer) * b
+
+
 def estimate(shape: Shape, s: Setup) -> Estimate:
-    """Peak memory (bytes) of the device that holds the policy, and its parts."""
+    """Peak memory (bytes) of one device that holds the policy, and its parts. With `s.world_size`
+    ranks each holds batch_size / world_size completions; FSDP2 also divides weights, gradients and
+    both AdamW moments by the world size, gathers one layer at a time in the update and every
+    weight at once for generation (docs/distributed.md, "Memory per rank"); the reference is a full
+    copy on each rank, placed per `ref_device`."""
+    if s.world_size > 1 or s.distributed != "none":
+        return _estimate_per_rank(shape, s)
     b = s.dtype_bytes
     base, adapters, trainable = weight_bytes(shape, s)
     train_b = 4 if s.lora else b                             # grads and AdamW moments in the param dtype
@@ -366,7 +389,8 @@ def format_plan(rows: list[PlanRow], budget: float) -> str:
     sh, s = e0.shape, e0.setup
     lines = [f"model: {sh.model_type}, {sh.params / 1e6:.1f} M parameters, {sh.layers} layers, hidden {sh.hidden}, "
              f"vocab {sh.vocab}; device {s.device}, {s.dtype_bytes * 8}-bit weights; prompt <= {s.prompt_tokens} "
-             f"tokens, {s.max_new_tokens} new; budget {fmt_bytes(budget)}",
+             f"tokens, {s.max_new_tokens} new; budget {fmt_bytes(budget)}"
+             + (f"; per rank of {s.world_size} ({s.distributed})" if s.world_size > 1 else ""),
              "", "as configured:"]
     for k, v in e0.parts.items():
         if v:
@@ -428,3 +452,29 @@ def default_budget(device: str) -> float:
         return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         return math.inf
+
+
+def _estimate_per_rank(shape: Shape, s: Setup) -> Estimate:
+    """`estimate` for one of `s.world_size` data-parallel ranks (see there)."""
+    import dataclasses
+
+    N = max(s.world_size, 1)
+    if s.batch_size % (N * s.group_size):
+        raise ValueError(f"batch_size {s.batch_size} does not split into whole groups of {s.group_size} over {N} ranks")
+    local = dataclasses.replace(s, batch_size=s.batch_size // N, world_size=1, distributed="none")
+    one = estimate(shape, local)                      # a single process on this rank's share of the batch
+    if s.distributed != "fsdp2":
+        return one
+    p = dict(one.parts)
+    full = p["weights"] + p["adapters"]
+    cut = (1 - 1 / N) * (full + p["grads"] + p["optimizer"])       # what the other ranks hold
+    gathered = sharded_working_set(shape, s.dtype_bytes)
+    # generation gathers every weight at once, besides this rank's shards
+    phases = {"rollout": one.phases["rollout"] - (1 - 1 / N) * (p["grads"] + p["optimizer"]) + full / N,
+              "logprobs": one.phases["logprobs"] - cut + gathered,
+              "update": one.phases["update"] - cut + gathered}
+    for k in ("weights", "adapters", "grads", "optimizer"):
+        p[k] = p[k] / N
+    p["gathered"] = gathered
+    phase = max(phases, key=phases.get)
+    return Estimate(shape, s, p, phases, phases[phase] + p["overhead"], phase)

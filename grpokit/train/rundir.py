@@ -25,28 +25,41 @@ log = logging.getLogger("grpokit.train")
 
 
 class RunDir:
-    def __init__(self, cfg):
-        self.cfg = cfg
+    """`dist`: a data-parallel rank's `DistContext` (grpokit.train.distributed); only rank 0 writes,
+    and every rank waits at a checkpoint until it is complete."""
+
+    def __init__(self, cfg, dist=None):
+        self.cfg, self.dist = cfg, dist
+        self.writer = dist is None or dist.is_main
         self.path = Path(cfg.train.run_dir)
-        self.path.mkdir(parents=True, exist_ok=True)
+        if self.writer:
+            self.path.mkdir(parents=True, exist_ok=True)
         self.sink = self._new_sink()
 
     def _new_sink(self) -> MetricSink:
-        return open_sink(self.path, self.cfg)
+        return open_sink(self.path, self.cfg) if self.writer else _NoSink()
+
+    def _barrier(self) -> None:
+        if self.dist is not None:
+            self.dist.barrier()
 
     def write_config(self) -> None:
         """RUN_DIR/config.yaml: the config this run trains with."""
-        atomic_write_text(self.path / "config.yaml", dump_config(self.cfg))
+        if self.writer:
+            atomic_write_text(self.path / "config.yaml", dump_config(self.cfg))
 
     def start_fresh(self) -> None:
         """A run that does not resume: an earlier run's output is moved to RUN_DIR/previous/<UTC
         time>/ (never appended to, never deleted), then this run's config is written."""
+        if not self.writer:
+            return self._barrier()
         self.sink.close()                # it may hold RUN_DIR/tb open, which moves too
         moved = ckpt_lib.set_aside_earlier_run(self.path)
         self.write_config()
         self.sink = self._new_sink()
         if moved is not None:
             log.warning("%s held the output of an earlier run; moved it to %s", self.path, moved)
+        self._barrier()
 
     def latest(self) -> Path | None:
         return ckpt_lib.latest_checkpoint(self.path)
@@ -54,24 +67,38 @@ class RunDir:
     def resumed(self, step: int) -> None:
         """After loading a checkpoint of `step`: drop the log rows written after it (the steps
         will be redone, and logged once) and record the config."""
+        if not self.writer:
+            return
         self.sink.truncate_after(step)
         truncate_jsonl(self.path / "guard.jsonl", step)   # alarms.jsonl: the health monitor's own
         self.write_config()
 
     def save(self, step: int, worker, tokenizer, state: dict, *, healthy: bool) -> Path:
         """Checkpoint of the worker's policy and the run's state; `healthy` marks it as a point to
-        roll back to."""
-        return ckpt_lib.save_checkpoint(self.path, step, worker.model, tokenizer, state,
+        roll back to. Data-parallel: every rank calls it (the weights are gathered), rank 0 writes,
+        and all return once the checkpoint is complete."""
+        merged = self.cfg.lora.save == "merged"
+        if not self.writer:
+            worker.save_weights(None, merged=merged)       # its part of the gathering
+            self._barrier()
+            return ckpt_lib.checkpoint_path(self.path, step)
+        path = ckpt_lib.save_checkpoint(self.path, step, worker.model, tokenizer, state,
                                         keep_last=self.cfg.train.keep_last, keep_healthy=self.cfg.train.keep_healthy,
-                                        healthy=healthy,
-                                        merged=self.cfg.lora.save == "merged")
+                                        healthy=healthy, merged=merged,
+                                        save_weights=lambda d: worker.save_weights(d, merged=merged))
+        self._barrier()
+        return path
 
     def event(self, row: dict) -> None:
+        if not self.writer:
+            return
         with (self.path / "guard.jsonl").open("a") as f:
             f.write(json.dumps(row) + "\n")
 
     def write_samples(self, step: int, batch: Batch, prompt_text) -> None:
-        """RUN_DIR/samples/step_N.jsonl: one row per completion of the step's batch."""
+        """RUN_DIR/samples/step_N.jsonl: one row per completion of the step's batch (rank 0's)."""
+        if not self.writer:
+            return
         d = self.path / "samples"
         d.mkdir(exist_ok=True)
         with (d / f"step_{step:06d}.jsonl").open("w") as f:
@@ -89,6 +116,19 @@ class RunDir:
         self.sink.close()
 
 
+class _NoSink:
+    """The metric sink of a rank that does not write (rank 0 writes the reduced metrics)."""
+
+    def write(self, step: int, metrics: dict) -> None:
+        pass
+
+    def truncate_after(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def rollback(run: RunDir, worker, kl_ctl, guard, cause: str, step: int) -> None:
     """Reload the last healthy checkpoint's weights and optimizer into the worker and its KL
     controller state; lower the learning rate by `guard.rollback_lr_factor`. The data position and
@@ -99,9 +139,9 @@ def rollback(run: RunDir, worker, kl_ctl, guard, cause: str, step: int) -> None:
     if ck is None or guard.rollbacks >= g.max_rollbacks:
         why = "no healthy checkpoint to roll back to" if ck is None else f"{guard.rollbacks} rollbacks already"
         raise RuntimeError(f"training diverged ({cause}); {why}. Lower optim.lr or check the rewards.")
-    ckpt_lib.load_weights(worker.model, ck)
+    worker.load_weights(ck)
     state = ckpt_lib.load_state(ck)
-    worker.optimizer.load_state_dict(state["optimizer"])
+    worker.load_optimizer_state(state["optimizer"])
     kl_ctl.load_state_dict(state["kl_ctl"])
     worker.scale_lr(g.rollback_lr_factor)
     guard.rolled_back()

@@ -29,7 +29,8 @@ from grpokit.algo.control import decay
 from grpokit.train import forward as lean_forward
 from grpokit.train.batch import Batch
 from grpokit.train.guard import NonFiniteStep, diagnose
-from grpokit.train.lora import is_peft, merged_state_dict
+from grpokit.train import checkpoint as ckpt_lib
+from grpokit.train.lora import is_peft, merged_state_dict, save_policy
 from grpokit.train.logprobs import (MicroBatch, build_micro_batch, completion_logprobs, padded_logprobs,
                                     padding_fraction, plan_micro_batches, unwrap)
 from grpokit.train.reference import Reference
@@ -53,6 +54,15 @@ class TrainingWorker(Protocol):
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full, Hugging Face-named tensors of the current policy (LoRA merged, out of place)."""
+
+    def save_weights(self, path, *, merged: bool = False) -> None:
+        """Write the policy into a checkpoint folder (`path` None: a rank that does not write)."""
+
+    def load_weights(self, ckpt) -> None:
+        """Load a checkpoint's policy weights in place."""
+
+    def load_optimizer_state(self, state: dict) -> None:
+        """Load an optimizer state (numbered, or keyed by parameter name from any world size)."""
 
 
 def lr_lambda(warmup_steps: int, schedule: str, total: int):
@@ -106,7 +116,25 @@ class LocalWorker:
         if which != "policy":
             raise ValueError(f"which must be 'policy' or 'reference', got {which!r}")
         return padded_logprobs(self.model, self.plan(batch, rows), tuple(batch.mask.shape),
-                               temperature=self.cfg.rollout.temperature, chunk_tokens=self.cfg.optim.logprob_chunk)
+                               temperature=self.cfg.rollout.temperature, chunk_tokens=self.cfg.optim.logprob_chunk,
+                               forward=self.forward)
+
+    def forward(self, mb: MicroBatch, *, want_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy's (log-probs, entropy) of a micro-batch's completions. A data-parallel worker
+        runs it through its wrapped module, so that the wrapper's hooks (gradient sync, parameter
+        gathering) see every forward pass."""
+        return completion_logprobs(self.model, mb, temperature=self.cfg.rollout.temperature,
+                                   chunk_tokens=self.cfg.optim.logprob_chunk, want_entropy=want_entropy)
+
+    def counts(self, n_tok: int, n_seq: int) -> tuple[int, int]:
+        """The loss normalisers of a mini-batch: its tokens and sequences (a data-parallel worker:
+        summed over the ranks, so that every rank's loss is its share of the global loss)."""
+        return n_tok, n_seq
+
+    def accumulate(self, mbs: list[MicroBatch], step_one) -> list:
+        """Forward and backward of a mini-batch's micro-batches (`step_one(mb)` each); raises
+        NonFiniteStep at the first one that is not finite."""
+        return [step_one(mb) for mb in mbs]
 
     # ------------------------------------------------------------------ the update
     def updates_per_step(self) -> int:
@@ -131,7 +159,7 @@ class LocalWorker:
             perm = rng.permutation(N) if a.mini_batches > 1 else np.arange(N)
             for mini in np.array_split(perm, a.mini_batches):
                 mini = mini.tolist()
-                n_tok = int(batch.loss_mask[mini].sum())
+                n_tok, n_seq = self.counts(int(batch.loss_mask[mini].sum()), len(mini))
                 # rows that can move the gradient: non-zero advantage, or any row when KL is in the loss
                 live = [i for i in mini if (kl_in_loss or float(batch.advantages[i]) != 0.0)
                         and bool(batch.loss_mask[i].any())]
@@ -139,7 +167,7 @@ class LocalWorker:
                 mbs = self.plan(batch, live) if live else []
                 mini_loss: dict[str, float] = {}
                 try:
-                    micro = [self._micro_step(mb, batch, beta, kl_in_loss, n_tok, len(mini)) for mb in mbs]
+                    micro = self.accumulate(mbs, lambda mb: self._micro_step(mb, batch, beta, kl_in_loss, n_tok, n_seq))
                 except NonFiniteStep as exc:   # the guard: nothing of this mini-batch reaches the weights
                     self.optimizer.zero_grad(set_to_none=True)
                     self._advance_schedule()
@@ -186,8 +214,7 @@ class LocalWorker:
                     n_tok: int, n_seq: int) -> tuple[dict, int]:
         a = self.cfg.algorithm
         rows, dev = mb.rows, self.device
-        logp, ent = completion_logprobs(self.model, mb, temperature=self.cfg.rollout.temperature,
-                                        chunk_tokens=self.cfg.optim.logprob_chunk, want_entropy=True)
+        logp, ent = self.forward(mb, want_entropy=True)
         L = logp.shape[1]
         mask = batch.loss_mask[rows, :L].to(dev).to(logp.dtype)
         valid = logp.detach()[mask.bool()]
@@ -213,7 +240,7 @@ class LocalWorker:
                                                logp_min=lp_min if valid.numel() else None,
                                                half_precision=self._float32_rescues(mb, mask)))
         self._seen = (max(self._seen[0], st.get("ratio_max", 0.0)), min(self._seen[1], lp_min))
-        total.backward()
+        self.backward(total)
         out = {"loss/policy": st["policy"], "loss/total": float(total.detach()),
                # the token-level loss signal, whatever the aggregation: Σ surrogate / mini-batch tokens
                "loss/token_mean": st["policy"] if a.loss_agg == "token_mean" else st["token_sum"] / max(n_tok, 1),
@@ -226,6 +253,9 @@ class LocalWorker:
         for k in ("clip_frac_low", "clip_frac_high", "approx_kl", "ratio_max"):
             out[f"policy/{'approx_kl_old' if k == 'approx_kl' else k}"] = float(st[k])
         return out, ntok
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
 
     @torch.no_grad()
     def _float32_rescues(self, mb: MicroBatch, mask: torch.Tensor) -> str | None:
@@ -302,8 +332,25 @@ class LocalWorker:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.load_optimizer_state(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+    def trainable_names(self) -> list[str]:
+        """Names of the optimizer's parameters, in its order."""
+        return [n for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def load_optimizer_state(self, state: dict) -> None:
+        """The optimizer's state, also from a data-parallel run's checkpoint (keyed by parameter
+        name; grpokit.train.checkpoint.optimizer_state_by_index)."""
+        self.optimizer.load_state_dict(ckpt_lib.optimizer_state_by_index(state, self.trainable_names()))
+
+    def save_weights(self, path, *, merged: bool = False) -> None:
+        """The policy as a Hugging Face directory (a LoRA policy: its adapters, or merged)."""
+        save_policy(self.model, path, merged=merged)
+
+    def load_weights(self, ckpt) -> None:
+        """Load a checkpoint's policy weights in place."""
+        ckpt_lib.load_weights(self.model, ckpt)
 
     def scale_lr(self, factor: float) -> None:
         """Multiply the learning rate (base and current) by `factor` (after a rollback)."""

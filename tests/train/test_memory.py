@@ -193,3 +193,26 @@ def test_estimates_within_25_percent_of_real_runs(tmp_path):
     assert len(rows) >= 5
     for r in rows:
         assert abs(r["error"]) <= 0.25, (r["model"], r["case"], r["estimate_mib"], r["measured_mib"])
+
+
+def test_fsdp2_divides_weights_grads_and_optimizer_by_the_world_size(tmp_path):
+    """Per rank at world size N: weights, gradients and both AdamW moments / N, the batch / N, plus
+    the gathered working set; DDP divides only the batch."""
+    from grpokit.train.memory import Setup, estimate, sharded_working_set
+
+    shape = mem.load_shape(str(_qwen7b_dir(tmp_path)))
+    one = estimate(shape, Setup(batch_size=64, group_size=8, max_new_tokens=64, micro_batch=8))
+    for n in (2, 4):
+        sharded = estimate(shape, Setup(batch_size=64, group_size=8, max_new_tokens=64, micro_batch=8,
+                                        world_size=n, distributed="fsdp2"))
+        for k in ("weights", "grads", "optimizer"):
+            assert sharded.parts[k] == pytest.approx(one.parts[k] / n)
+        assert sharded.parts["reference"] == one.parts["reference"]            # a full copy per rank
+        assert sharded.parts["gathered"] == sharded_working_set(shape, 4)
+        assert sharded.parts["kv_cache"] == pytest.approx(one.parts["kv_cache"] / n)
+        assert sharded.peak < one.peak
+    ddp = estimate(shape, Setup(batch_size=64, group_size=8, max_new_tokens=64, micro_batch=8, world_size=2,
+                                distributed="ddp"))
+    assert ddp.parts["optimizer"] == one.parts["optimizer"] and ddp.parts["kv_cache"] < one.parts["kv_cache"]
+    with pytest.raises(ValueError, match="whole groups"):
+        estimate(shape, Setup(batch_size=24, group_size=8, world_size=2, distributed="fsdp2"))

@@ -15,6 +15,11 @@ import torch
 from grpokit.train.worker import TrainingWorker
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A parameter as one whole tensor (an FSDP2 worker's are DTensor shards)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def _weights(worker) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone().float() for n, t in worker.export_weights()}
 
@@ -60,7 +65,7 @@ def check_state_round_trip(make_worker, make_batch) -> None:
         src = dict(a.export_weights())
         for n, p in b.model.named_parameters():
             if p.requires_grad:
-                p.copy_(dict(a.model.named_parameters())[n])
+                p.copy_(dict(a.model.named_parameters())[n])    # shard to shard under FSDP2
     assert {n: t.float() for n, t in b.export_weights()}.keys() == src.keys()
     a.train_step(_with_advantages(make_batch(a)), 0.0)
     b.train_step(_with_advantages(make_batch(b)), 0.0)
@@ -74,7 +79,7 @@ def check_export_weights(worker) -> None:
     exporting leaves the trained weights untouched."""
     from transformers import AutoModelForCausalLM
 
-    trained = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
+    trained = {n: _full(p.detach()).clone() for n, p in worker.model.named_parameters()}
     named = dict(worker.export_weights())
     base = worker.model.get_base_model() if hasattr(worker.model, "get_base_model") else worker.model
     plain = AutoModelForCausalLM.from_config(base.config)
@@ -83,7 +88,7 @@ def check_export_weights(worker) -> None:
     tied = {"lm_head.weight"} if getattr(base.config, "tie_word_embeddings", False) else set()
     assert set(missing) <= tied, missing[:3]
     for n, p in worker.model.named_parameters():
-        assert torch.equal(p.detach(), trained[n]), f"export_weights changed {n}"
+        assert torch.equal(_full(p.detach()), trained[n]), f"export_weights changed {n}"
 
 
 def check_nonfinite_guard(make_worker, make_batch) -> None:
@@ -92,7 +97,12 @@ def check_nonfinite_guard(make_worker, make_batch) -> None:
     batch = _with_advantages(make_batch(w))
     with torch.no_grad():
         emb = w.model.get_input_embeddings().weight
-        emb[batch.completion_ids[0, 0]] = float("nan")
+        poisoned = _full(emb).clone()
+        poisoned[batch.completion_ids[0, 0]] = float("nan")
+        if hasattr(emb, "full_tensor"):               # back into this rank's shard
+            from torch.distributed.tensor import distribute_tensor
+            poisoned = distribute_tensor(poisoned, emb.device_mesh, emb.placements)
+        emb.copy_(poisoned)
     before = _weights(w)
     m = w.train_step(batch, 0.0)
     assert m["guard/updates_skipped"] >= 1 and m["guard/causes"]

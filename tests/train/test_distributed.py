@@ -1,0 +1,332 @@
+"""Data-parallel training (DDP, FSDP2) on 2 CPU processes with gloo, launched by torchrun.
+
+Every multi-process run is marked `slow` and `distributed` (`make test-dist`; `make test` leaves them
+out: together they take minutes on 2 cores): 2 processes on a global batch give the loss and
+gradient of one process on it (DDP and FSDP2, token- and sequence-level aggregation); the DDP and
+FSDP2 workers pass the reusable worker checks; ranks with different configs are refused; a rank
+whose groups are all filtered does not hang the job; resume at 2 and at 1 process; a rank killed
+with SIGKILL; LoRA under FSDP2; 2 processes teach the demo task (after the demo's one-minute warm
+start). The unit checks of the collective helpers' arithmetic, and `grpokit export`, need no
+process group.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import psutil
+import pytest
+import torch
+
+from grpokit.config import load_config
+from grpokit.errors import ConfigError
+from grpokit.train import checkpoint as ckpt_lib
+from grpokit.train import distributed
+from grpokit.train.build import reference_for
+from grpokit.train.worker import LocalWorker
+from tests.fixtures import small_overrides, tiny_run_inputs
+from tests.train import torchrun
+from tests.train.dist_programs import COMBINATIONS, equivalence_config, fixed_batch, tiny_policy, train_one_step
+
+
+# ---------------------------------------------------------------------- unit: no process group
+def test_auto_is_fsdp2_beyond_one_process_and_none_alone():
+    assert distributed.resolve_mode("auto", 1) == "none"
+    assert distributed.resolve_mode("auto", 4) == "fsdp2"
+    assert distributed.resolve_mode("ddp", 2) == "ddp"
+    with pytest.raises(ConfigError, match="WORLD_SIZE=2"):
+        distributed.resolve_mode("none", 2)
+
+
+def test_single_process_never_joins_a_process_group(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert distributed.init(load_config(None, [])) is None
+    assert not torch.distributed.is_initialized()
+
+
+def test_groups_must_divide_over_the_ranks():
+    cfg = load_config(None, ["rollout.group_size=4", "rollout.batch_size=12"])     # 3 prompts per step
+    with pytest.raises(ConfigError, match="not divisible by the world size 2"):
+        distributed.check_config(cfg, 2)
+    distributed.check_config(cfg, 3)
+
+
+class _Ranks(distributed.DistContext):
+    """A context whose all-gather returns given per-rank values (the quota arithmetic alone)."""
+
+    def __init__(self, rank, counts):
+        super().__init__(mode="ddp", rank=rank, world=len(counts), local_rank=rank, device=torch.device("cpu"))
+        self.counts = counts
+
+    def gather(self, obj):
+        return list(self.counts)
+
+
+def test_dynamic_sampling_quota_is_filled_in_rank_order():
+    # 5 groups still wanted; the ranks found 3, 0 and 4: rank 0 keeps 3, rank 1 none, rank 2 the other 2
+    assert [_Ranks(r, [3, 0, 4]).keep_groups([3, 0, 4][r], 5) for r in range(3)] == [(3, 5), (0, 5), (2, 5)]
+    assert [_Ranks(r, [1, 0]).keep_groups([1, 0][r], 4) for r in range(2)] == [(1, 1), (0, 1)]
+
+
+def test_metric_reductions():
+    assert distributed.reduction("loss/policy") == "sum"
+    assert distributed.reduction("policy/ratio_max") == "max"
+    assert distributed.reduction("time/rollout") == "max"
+    assert distributed.reduction("policy/logprob_min") == "min"
+    assert distributed.reduction("reward/mean") == "mean"
+
+
+def test_step_seeds_differ_by_rank_and_step_and_repeat():
+    a, b = _Ranks(0, [0, 0]), _Ranks(1, [0, 0])
+    assert a.step_seed(0, 3) == _Ranks(0, [0, 0]).step_seed(0, 3)
+    assert len({a.step_seed(0, 3), b.step_seed(0, 3), a.step_seed(0, 4), a.step_seed(1, 3)}) == 4
+
+
+def test_optimizer_state_moves_between_numbered_and_named():
+    model, _ = tiny_policy()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.tensor([[4, 5, 6]])).logits.sum().backward()
+    opt.step()
+    names = [n for n, _ in model.named_parameters()]
+    named = ckpt_lib.optimizer_state_by_name(opt.state_dict(), names)
+    assert set(named["state"]) == set(names)
+    back = ckpt_lib.optimizer_state_by_index(named, names)
+    for i, st in opt.state_dict()["state"].items():
+        assert torch.equal(back["state"][i]["exp_avg"], st["exp_avg"])
+    with pytest.raises(RuntimeError, match="does not train"):
+        ckpt_lib.optimizer_state_by_index(named, names[1:])
+
+
+# ---------------------------------------------------------------------- 2 processes
+@pytest.fixture(scope="module")
+def equivalence_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("equivalence")
+    torchrun.run(2, torchrun.program("equivalence", out), timeout=300)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode,agg", COMBINATIONS)
+def test_two_processes_give_the_one_process_gradient(equivalence_runs, mode, agg):
+    """Each rank trains on its whole groups of a 4-group batch; the single process on all of it.
+    float64: loss, applied gradient and updated weights agree to rounding."""
+    cfg = equivalence_config(agg, "none")
+    model, tok = tiny_policy()
+    worker = LocalWorker(cfg, model, tok, reference_for(cfg, model))
+    m, grads = train_one_step(worker, fixed_batch(tok))
+    weights = dict(worker.export_weights())
+    assert max(float(g.abs().max()) for g in grads.values()) > 1e-3       # a real gradient to compare
+    for rank in (0, 1):
+        got = torch.load(equivalence_runs / f"rank{rank}_{mode}_{agg}.pt", weights_only=False)
+        for key in ("loss/policy", "loss/total"):
+            assert got["metrics"][key] == pytest.approx(m[key], rel=0, abs=1e-12), key
+        assert got["grads"].keys() == grads.keys()
+        for n in grads:
+            torch.testing.assert_close(got["grads"][n], grads[n], rtol=0, atol=1e-12, msg=n)
+        for n in weights:
+            torch.testing.assert_close(got["weights"][n], weights[n], rtol=0, atol=1e-12, msg=n)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_data_parallel_workers_pass_the_worker_checks(tmp_path):
+    torchrun.run(2, torchrun.program("conformance", tmp_path), timeout=300)
+    assert sorted(p.name for p in tmp_path.glob("*.ok")) == [
+        "rank0_ddp.ok", "rank0_fsdp2.ok", "rank1_ddp.ok", "rank1_fsdp2.ok"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ranks_with_different_configs_are_refused(tmp_path):
+    torchrun.run(2, torchrun.program("mismatch", tmp_path), timeout=120)
+    errors = {p.name: p.read_text() for p in tmp_path.glob("*.err")}
+    assert sorted(errors) == ["rank0.err", "rank1.err"]
+    assert all("different configs (ranks [1] differ from rank 0)" in e for e in errors.values())
+
+
+# ---------------------------------------------------------------------- end-to-end (make test-dist)
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    return tiny_run_inputs(tmp_path_factory.mktemp("dist_inputs"))
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train_args(inputs, run_dir, **extra) -> list[str]:
+    _, model_dir, train, _ = inputs
+    return ["-m", "grpokit", "train", *small_overrides(model_dir, train, run_dir, **{
+        "train.dist_timeout_s": 60, "train.check_rewards": "false", "train.batch_advice": "false", **extra})]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_rank_whose_groups_are_all_filtered_does_not_hang(tmp_path, inputs):
+    """Dynamic sampling: rank 1's groups all score alike every round; the job still finishes, and
+    the global quota of kept groups comes from rank 0."""
+    _, model_dir, train, _ = inputs
+    run_dir = tmp_path / "run"
+    argv = ["train", *small_overrides(model_dir, train, run_dir, **{
+        "rollout.dynamic_sampling": "true", "rollout.max_sampling_rounds": 3, "rewards": "[{name: rank0_varied}]",
+        "train.steps": 2, "train.dist_timeout_s": 60, "train.check_rewards": "false",
+        "train.batch_advice": "false", "train.distributed": "ddp"})]
+    torchrun.run(2, torchrun.program("train_filtered", tmp_path, *argv), timeout=150)
+    assert [(tmp_path / f"rank{r}.exit").read_text() for r in (0, 1)] == ["0", "0"]
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:    # 4 prompts per step, 2 per rank per round: rank 0 alone needs 2 rounds
+        assert r["dynamic/kept_groups"] == 4 and r["dynamic/rounds"] == 2
+
+
+_NOT_REPRODUCED = ("time/", "throughput/", "memory/")
+
+
+def _same_metrics(a: dict, b: dict) -> None:
+    keys = [k for k in a if not k.startswith(_NOT_REPRODUCED) and k not in ("time", "step")]
+    assert keys and set(keys) <= set(b)
+    for k in keys:
+        assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-9, nan_ok=True), k
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_resume_at_two_and_at_one_process(tmp_path, inputs):
+    """A 2-process run saves every step; resumed at 2 from step 2, step 3 repeats the uninterrupted
+    run's metrics exactly. Resumed at 1 it continues from the same weights, optimizer and data
+    position (its sampling stream is rank 0's alone, so its metrics differ)."""
+    full = tmp_path / "full"
+    torchrun.run(2, _train_args(inputs, full, **{"train.steps": 3, "train.save_every": 1, "train.keep_last": 5,
+                                                 "train.distributed": "fsdp2"}), timeout=150)
+    expected = _rows(full)[-1]
+    assert expected["step"] == 3
+    for world in (2, 1):
+        run_dir = tmp_path / f"resumed{world}"
+        (run_dir / "checkpoints").mkdir(parents=True)
+        shutil.copytree(full / "checkpoints" / "step_000002", run_dir / "checkpoints" / "step_000002")
+        torchrun.run(world, _train_args(inputs, run_dir, **{"train.steps": 3, "train.distributed": "fsdp2"})
+                     + ["--resume"], timeout=150)
+        got = _rows(run_dir)
+        assert [r["step"] for r in got] == [3]
+        if world == 2:
+            _same_metrics(expected, got[0])
+        else:
+            assert got[0]["optim/lr"] == expected["optim/lr"] and got[0]["kl/beta"] == expected["kl/beta"]
+
+
+def _ranks_of(proc) -> list[psutil.Process]:
+    return [c for c in psutil.Process(proc.pid).children(recursive=True) if "grpokit" in " ".join(c.cmdline())]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_killed_rank_stops_the_job_and_resume_continues(tmp_path, inputs):
+    run_dir = tmp_path / "run"
+    proc = torchrun.start(2, _train_args(inputs, run_dir, **{"train.steps": 400, "train.save_every": 1,
+                                                             "train.distributed": "fsdp2"}))
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and ckpt_lib.latest_checkpoint(run_dir) in (
+                None, ckpt_lib.checkpoint_path(run_dir, 0)):
+            assert proc.poll() is None, proc.stdout.read()[-4000:]
+            time.sleep(0.5)
+        ranks = _ranks_of(proc)
+        assert len(ranks) == 2, ranks
+        victim = max(ranks, key=lambda p: p.pid)
+        victim.kill()
+        t0 = time.monotonic()
+        code = proc.wait(timeout=60)                   # the others stop in bounded time
+        stopped_after = time.monotonic() - t0
+        out = proc.stdout.read()
+    finally:
+        torchrun.kill_group(proc)
+    assert code != 0 and stopped_after < 60
+    assert "SIGKILL" in out or "Signal 9" in out, out[-3000:]
+    last = ckpt_lib.latest_checkpoint(run_dir)
+    step = int(last.name.split("_")[1])
+    torchrun.run(2, _train_args(inputs, run_dir, **{"train.steps": step + 1, "train.distributed": "fsdp2"})
+                 + ["--resume"], timeout=150)
+    assert _rows(run_dir)[-1]["step"] == step + 1
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_lora_under_fsdp2_trains_only_adapters_and_exports_the_merge(tmp_path):
+    """Two steps of LoRA on an FSDP2-sharded policy: only adapter weights move; the merged model
+    rank 0 writes gives the logits of the same adapters merged by PEFT in one unsharded process."""
+    from transformers import AutoModelForCausalLM
+
+    from grpokit.train.lora import load_adapter_weights, wrap_lora
+    from tests.train.dist_programs import lora_config
+
+    torchrun.run(2, torchrun.program("lora", tmp_path), timeout=300)
+    changed = json.loads((tmp_path / "changed.json").read_text())
+    assert changed and all(".lora_A." in n or ".lora_B." in n for n in changed)
+    assert any(".lora_B." in n for n in changed)               # B starts at 0: the update is real
+    model, _ = tiny_policy()
+    peft_model = wrap_lora(model.float(), lora_config().lora)
+    load_adapter_weights(peft_model, tmp_path / "merged")
+    reference = peft_model.merge_and_unload().eval()
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
+        assert not torch.allclose(tiny_policy()[0].float()(ids).logits, reference(ids).logits, atol=1e-4)
+    streamed = torch.load(tmp_path / "exported.pt")                # export_weights: the same merge
+    for n, t in exported.state_dict().items():
+        if n in streamed:
+            torch.testing.assert_close(streamed[n].float(), t, rtol=0, atol=1e-6, msg=n)
+
+
+@pytest.fixture(scope="module")
+def demo_inputs(tmp_path_factory):
+    """The embedded demo's warm-started model (its supervised warm start, about a minute) and files."""
+    from grpokit.demo import DemoSettings, warm_start
+    from grpokit.tasks.arithmetic import ArithmeticTask
+
+    root = tmp_path_factory.mktemp("demo")
+    s = DemoSettings()
+    task = ArithmeticTask(seed=s.seed, carry_frac=s.carry_frac, teacher_correct=s.teacher_correct, heldout=s.heldout)
+    warm = warm_start(s, task, root, lambda *a: None)
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in task.train_rows(4000, s.seed + 7)))
+    (root / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in task.heldout_rows()))
+    return root, warm
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_processes_teach_the_demo_task(tmp_path, demo_inputs):
+    """The demo's GRPO settings on 2 FSDP2 ranks (each samples half of the 16 groups per step):
+    held-out greedy accuracy rises, as in the single-process demo."""
+    root, warm = demo_inputs
+    run_dir = tmp_path / "run"
+    torchrun.run(2, ["-m", "grpokit", "train", "demo", f"model.path={warm}", f"data.path={root / 'train.jsonl'}",
+                     f"data.eval_path={root / 'heldout.jsonl'}", f"train.run_dir={run_dir}", "train.steps=30",
+                     "train.eval_every=0", "train.save_every=0", "train.save_every_minutes=0", "train.progress=false",
+                     "train.sample_every=0", "train.check_rewards=false", "train.dist_timeout_s=120"], timeout=240)
+    rows = _rows(run_dir)
+    before = next(r["eval/pass@1"] for r in rows if r["step"] == 0)
+    after = next(r["eval/pass@1"] for r in rows if r["step"] == 30)
+    assert after >= before + 0.15, (before, after)
+
+
+def test_export_writes_a_plain_model_and_refuses_an_incomplete_checkpoint(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from grpokit.cli import main
+
+    model, tok = tiny_policy()
+    model = model.float()
+    ck = ckpt_lib.save_checkpoint(tmp_path / "run", 3, model, tok, {"step": 3})
+    assert main(["export", str(ck), str(tmp_path / "out")]) == 0
+    out = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    for n, t in model.state_dict().items():
+        assert torch.equal(out.state_dict()[n], t), n
+    assert (tmp_path / "out" / "tokenizer_config.json").is_file()
+    assert main(["export", str(ck), str(tmp_path / "out")]) == 2              # not over a non-empty folder
+    (ck / ckpt_lib.MARKER).unlink()
+    assert main(["export", str(ck), str(tmp_path / "again")]) == 2
+    assert "not a complete checkpoint" in capsys.readouterr().err
