@@ -68,3 +68,21 @@ def _hf_copy(model, tokenizer, **options):
     for p in own.parameters():
         p.requires_grad_(False)
     return HFEngine(own, tokenizer, owns_weights=True)
+
+
+@register_engine("server")
+def _server(model, tokenizer, rollout=None, **options):
+    """Generation in a `grpokit rollout-server` process at `rollout.server` (HOST:PORT,
+    `grpokit.rollout.client.ServerEngine`); weights pushed over a torch.distributed group. The
+    server starts from the policy's weights as they are now (version 0; LoRA merged)."""
+    from grpokit.errors import ConfigError
+    from grpokit.rollout.client import ServerEngine
+    from grpokit.train.lora import is_peft, merged_state_dict
+
+    if rollout is None or not rollout.server:
+        raise ConfigError("rollout.engine=server needs rollout.server=HOST:PORT (a running `grpokit rollout-server`)")
+    engine = ServerEngine(rollout.server, tokenizer, device=next(model.parameters()).device,
+                          timeout_s=rollout.server_timeout_s, retries=rollout.server_retries)
+    weights = merged_state_dict(model) if is_peft(model) else model.state_dict()
+    engine.update_weights(((n, t.detach()) for n, t in weights.items()), version=0)
+    return engine
