@@ -1,7 +1,8 @@
 """Rollout engines by name: `rollout.engine` in config names a factory registered here.
 
 A factory is called as `factory(model, tokenizer, **options)` and returns a
-`grpokit.rollout.base.RolloutEngine`. Register your own with `register_engine("name", factory)`
+`grpokit.rollout.base.RolloutEngine`; the trainer passes `rollout=` (the config's `rollout`
+section) among the options, for engines with settings of their own (`server`). Register your own with `register_engine("name", factory)`
 before the config is validated. This module imports nothing heavy: a factory imports its engine
 when it is called.
 """

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -96,15 +97,13 @@ def test_async_needs_an_engine_that_generates_in_the_background(setup):
 
 
 @pytest.mark.slow
-def test_async_training_teaches_the_demo_task(tmp_path):
+def test_async_training_teaches_the_demo_task(tmp_path, demo_warm_dir):
     """The embedded demo task, short, with its rollouts from a server process one step off-policy:
     held-out greedy accuracy rises and every step after the first logs staleness 1."""
-    from grpokit.demo import DemoSettings, run_demo, warm_start
-    from grpokit.tasks.arithmetic import ArithmeticTask
+    from grpokit.demo import run_demo
 
-    s = DemoSettings.quick(0)
-    task = ArithmeticTask(seed=0, carry_frac=s.carry_frac, teacher_correct=s.teacher_correct, heldout=s.heldout)
-    warm = warm_start(s, task, tmp_path, say=lambda *a: None)      # cached: run_demo reuses it
+    warm = tmp_path / demo_warm_dir.name
+    shutil.copytree(demo_warm_dir, warm)                              # run_demo reuses it
     random.seed(0)
     with ServerProcess(warm, tmp_path / "server.log") as srv:
         out = run_demo(quick=True, run_dir=tmp_path, say=lambda *a: None, progress=False, overrides=[
