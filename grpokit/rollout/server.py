@@ -257,13 +257,16 @@ def load_backend(backend: str, model_path: str, *, device: str = "auto", dtype: 
             p.requires_grad_(False)
         return HFEngine(model, load_tokenizer(model_path), owns_weights=True), model.config.vocab_size, dev
     if backend == "vllm":
+        from transformers import AutoConfig
+
+        from grpokit.train.build import load_tokenizer
         try:
-            from grpokit.rollout import vllm as vllm_engine
-            engine = vllm_engine.engine_from_path(model_path, device=dev, dtype=dtype)
-        except (ImportError, AttributeError) as exc:
+            from grpokit.rollout.vllm import VLLMEngine       # imports vLLM itself only when built
+            engine = VLLMEngine(str(model_path), load_tokenizer(model_path), dtype=dtype)
+        except ImportError as exc:
             raise ConfigError(f"--backend vllm is not available here ({exc}); install grpokit[vllm] "
                               "or use --backend hf") from None
-        return engine, getattr(engine, "vocab_size", None), dev
+        return engine, AutoConfig.from_pretrained(model_path).vocab_size, dev
     raise ConfigError(f"unknown --backend {backend!r} (hf or vllm)")
 
 

@@ -221,8 +221,8 @@ class Trainer:
 
     def _staleness(self, rb: RolloutBatch) -> dict[str, float]:
         """`rollout/staleness`: optimizer steps between the weights that sampled `rb` and the ones
-        about to train on it (engines that report a weights version). The weights pushed after
-        step k carry version k+1, so it is `step_idx - version`: 0 on-policy, at most 1 with
+        about to train on it (engines that report a weights version). Weights that have trained k
+        steps are version k, so it is `step_idx - version`: 0 on-policy, at most 1 with
         `rollout.async`; anything else means the engine sampled from weights it should not have."""
         if rb.weights_version is None:
             return {}

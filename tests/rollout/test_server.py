@@ -284,3 +284,12 @@ def test_the_cli_stops_with_one_line_and_exit_status_1_when_the_server_dies(setu
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: rollout server")
     assert "step_000001" in err[0] and "--resume" in err[0]
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None,
+                    reason="vLLM is installed here: the vllm backend would start")
+def test_the_vllm_backend_without_vllm_is_a_one_line_error(setup, capsys):
+    _, model_dir, _, _ = setup
+    assert cli.main(["rollout-server", "--model", str(model_dir), "--backend", "vllm", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "vllm" in err and "\n" not in err
