@@ -20,7 +20,6 @@ import torch
 
 from grpokit import cli
 from grpokit.config import load_config
-from grpokit.errors import ConfigError
 from grpokit.rollout import wire
 from grpokit.rollout.base import SamplingParams
 from grpokit.rollout.client import RolloutServerError, ServerEngine
@@ -255,9 +254,8 @@ def test_a_server_killed_mid_run_stops_it_with_its_checkpoint_and_resume_resyncs
         final = ckpt_lib.latest_checkpoint(run)
         assert final.name == "step_000004"
         # the server holds exactly the weights of the final checkpoint
-        from grpokit.rollout.client import ServerEngine as _SE
         tok = load_tokenizer(model_dir)
-        probe = _SE(srv.address, tok, timeout_s=60, retries=1)
+        probe = ServerEngine(srv.address, tok, timeout_s=60, retries=1)
         model = load_model(final, dtype="float32", device="cpu")
         assert probe.checksums() == {n: tensor_checksum(t) for n, t in model.state_dict().items()}
         probe.close()
