@@ -1,4 +1,5 @@
-"""`grpokit` command line: train, eval, demo, compare, report, plan-memory, convert, export.
+"""`grpokit` command line: train, eval, demo, compare, report, plan-memory, convert, export,
+rollout-server.
 
 A user error (bad config key, missing file, malformed dataset row, unloadable model) prints one line
 and exits with code 2; `--debug` shows the traceback instead.
@@ -27,6 +28,7 @@ EXAMPLES = """examples:
   grpokit export runs/grpo/checkpoints/step_000100 ./my-model-grpo
   grpokit plan-memory my.yaml --budget 24GiB --device cuda --apply
   grpokit convert model.Q4_1.gguf ./my-model     # a GGUF file as a plain Hugging Face directory
+  grpokit rollout-server --model ./my-model --port 8000   # then: train ... rollout.engine=server rollout.server=HOST:8000
 """
 
 
@@ -36,8 +38,14 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (ConfigError, DataError, ModelLoadError, FileNotFoundError, FileExistsError)
 
 
+def _run_errors() -> tuple[type[BaseException], ...]:
+    from grpokit.rollout.client import RolloutServerError
+    return (RolloutServerError,)
+
+
 def cmd_train(args) -> int:
     from grpokit.config import load_config
+    from grpokit.rollout.client import RolloutServerError
     from grpokit.train import build_trainer, distributed
     from grpokit.train.checkpoint import nothing_to_resume
 
@@ -56,6 +64,12 @@ def cmd_train(args) -> int:
                     trainer.train(resume=args.resume, progress=bar.update)
             else:
                 trainer.train(resume=args.resume)
+        except RolloutServerError as exc:
+            from grpokit.train.checkpoint import latest_checkpoint
+            ck = latest_checkpoint(cfg.train.run_dir)
+            raise RolloutServerError(f"{exc}. The run stopped at step {trainer.step_idx}; its last checkpoint is "
+                                     f"{ck if ck is not None else 'none'}: restart the rollout server and run again "
+                                     "with --resume") from None
         finally:          # a run that stops with an error (divergence, reference drift) gets one too
             if main_rank:
                 _write_report(cfg.train.run_dir)
@@ -114,7 +128,7 @@ def cmd_eval(args) -> int:
     check_prompts(encoder, ds.rows, ds.source, max_new_tokens=cfg.rollout.max_new_tokens, positions=max_positions(model))
     rewards = build_rewards(cfg)
     import torch
-    res = evaluate(build_engine(cfg.rollout.engine, model, tok), encoder, rewards,
+    res = evaluate(build_engine(cfg.rollout.engine, model, tok, rollout=cfg.rollout), encoder, rewards,
                    PromptDataset(ds.rows), cfg, samples=args.samples, generator=torch.Generator().manual_seed(cfg.train.seed))
     print(json.dumps({"model": args.model, "data": args.data, "prompts": len(ds), **res}, indent=2))
     return 0
@@ -219,6 +233,13 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_rollout_server(args) -> int:
+    from grpokit.rollout.server import serve
+
+    serve(args.model, backend=args.backend, host=args.host, port=args.port, device=args.device, dtype=args.dtype)
+    return 0
+
+
 def cmd_report(args) -> int:
     from grpokit.monitor.report import write_report
 
@@ -312,6 +333,18 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("checkpoint", help="RUN_DIR/checkpoints/step_N (from any number of processes; LoRA merged)")
     x.add_argument("out", help="an empty or new directory")
     x.set_defaults(fn=cmd_export)
+    return 0
+
+
+    rs = sub.add_parser("rollout-server", help="serve rollouts to a trainer in another process (rollout.engine: server)")
+    rs.add_argument("--model", required=True, help="local Hugging Face model directory (the policy's starting weights)")
+    rs.add_argument("--backend", choices=["hf", "vllm"], default="hf",
+                    help="the engine: transformers (hf) or the in-process vLLM engine (vllm)")
+    rs.add_argument("--host", default="127.0.0.1", help="address to listen on (also for the weight group)")
+    rs.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free one, printed)")
+    rs.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda[:N]")
+    rs.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    rs.set_defaults(fn=cmd_rollout_server)
 
     r = sub.add_parser("report", help="write RUN_DIR/report.html")
     r.add_argument("run_dir")
@@ -359,6 +392,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except _run_errors() as exc:       # the run stopped; its last checkpoint is intact
+        if args.debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

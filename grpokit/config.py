@@ -156,10 +156,28 @@ class DataConfig(_Section):
 
 
 class RolloutConfig(_Section):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
+                              validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
+
     engine: EngineName = "hf"
     """Generation engine, a name in `grpokit.rollout.ENGINES` (`hf`: the policy itself through
     transformers with a KV cache, in-process; `hf_copy`: the same over its own copy of the
-    weights, synced after every optimizer step; add one with `grpokit.rollout.register_engine`)."""
+    weights, synced after every optimizer step; `server`: a `grpokit rollout-server` process at
+    `rollout.server`; add one with `grpokit.rollout.register_engine`). docs/rollout.md compares them."""
+    server: str | None = None
+    """`rollout.engine: server`: HOST:PORT of a running `grpokit rollout-server`."""
+    server_timeout_s: float = Field(600.0, gt=0)
+    """Longest wait for one rollout-server request (a generation, a weight update) and for its
+    weight group to form."""
+    server_retries: int = Field(3, ge=1)
+    """Tries of a rollout-server request that gets no answer before the run stops with an error (its
+    last checkpoint intact; `--resume` with a restarted server continues)."""
+    async_: bool = Field(False, alias="async")
+    """`rollout.async`: one-step-off-policy overlap. The engine generates the next batch with the
+    current weights while the trainer updates on this one, so every batch after the first is one
+    step stale (`rollout/staleness`), corrected by the importance weights of `is_correction`.
+    Needs an engine that generates in the background (`server`). Off: every batch comes from
+    the latest weights."""
     is_correction: bool = True
     """When the engine holds its own weights (its numerics may differ from the trainer's): weight
     each token's loss by the truncated importance ratio pi_old / pi_sampler (docs/algorithms.md,
@@ -184,6 +202,17 @@ class RolloutConfig(_Section):
     resample_threshold: float | None = Field(None, gt=0, lt=1)
     """Over-confidence resampling (practitioner's rule "DAPO as practised"): when the top token's
     probability exceeds this, sample from the distribution with that token excluded. None = off."""
+    @field_validator("server")
+    @classmethod
+    def _address(cls, value):
+        if value is not None:
+            from grpokit.rollout.client import parse_address
+            try:
+                parse_address(value)
+            except ConfigError as exc:
+                raise ValueError(str(exc).removeprefix("rollout.server ")) from None
+        return value
+
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal and refill the batch with
     fresh prompts, up to `max_sampling_rounds` generation rounds."""
@@ -531,6 +560,8 @@ class Config(_Section):
             raise ValueError("rollout.group_size must be >= 2 (group-relative advantages need a group)")
         if r.batch_size % r.group_size:
             raise ValueError(f"rollout.batch_size ({r.batch_size}) must be divisible by rollout.group_size ({r.group_size})")
+        if r.engine == "server" and not r.server:
+            raise ValueError("rollout.engine=server needs rollout.server=HOST:PORT (a running `grpokit rollout-server`)")
         if r.max_new_tokens <= 0:
             raise ValueError("rollout.max_new_tokens must be > 0")
         if r.batch_size % self.algorithm.mini_batches:
@@ -582,7 +613,7 @@ class Config(_Section):
 def _valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     keys = []
     for name, field in model.model_fields.items():
-        full = f"{prefix}{name}"
+        full = f"{prefix}{field.alias or name}"
         keys.append(full)
         ann = field.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):

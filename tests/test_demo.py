@@ -1,6 +1,7 @@
 """End to end: `grpokit demo --quick` must measurably teach the tiny model."""
 
 import json
+import shutil
 
 import pytest
 
@@ -8,7 +9,8 @@ from grpokit.demo import run_demo
 
 
 @pytest.mark.slow
-def test_quick_demo_gains_accuracy(tmp_path):
+def test_quick_demo_gains_accuracy(tmp_path, demo_warm_dir):
+    shutil.copytree(demo_warm_dir, tmp_path / "demo" / demo_warm_dir.name)   # the session's warm start
     s = run_demo(quick=True, run_dir=tmp_path / "demo", say=lambda *a: None, progress=False)
     saved = json.loads((tmp_path / "demo" / "summary.json").read_text())
     assert saved["accuracy_after"] == s["accuracy_after"]

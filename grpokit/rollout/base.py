@@ -39,6 +39,7 @@ class RolloutBatch:
     finish_reason: list[str]             # [N] "eos" or "length"
     completions: list[str]               # [N] decoded text, special tokens removed
     resampled: int = 0                   # positions where over-confidence resampling fired
+    weights_version: int | None = None   # the weights that sampled it, for engines that hold their own
 
     @property
     def lengths(self) -> torch.Tensor:   # [N]
@@ -170,7 +171,7 @@ def select_rows(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
     return RolloutBatch([batch.prompt_ids[r] for r in rows], batch.completion_ids[idx, :L],
                         batch.completion_mask[idx, :L], batch.sampler_logprobs[idx, :L],
                         [batch.finish_reason[r] for r in rows], [batch.completions[r] for r in rows],
-                        batch.resampled)
+                        batch.resampled, batch.weights_version)
 
 
 def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
@@ -186,4 +187,9 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         torch.cat([pad(b.completion_mask, 0) for b in batches]),
         torch.cat([pad(b.sampler_logprobs, 0.0) for b in batches]),
         [f for b in batches for f in b.finish_reason], [c for b in batches for c in b.completions],
-        sum(b.resampled for b in batches))
+        sum(b.resampled for b in batches), _oldest([b.weights_version for b in batches]))
+
+
+def _oldest(versions: list[int | None]) -> int | None:
+    """The oldest weights version of several batches (None when any is unknown)."""
+    return None if any(v is None for v in versions) else min(versions)

@@ -1,7 +1,8 @@
 """Rollout engines by name: `rollout.engine` in config names a factory registered here.
 
 A factory is called as `factory(model, tokenizer, **options)` and returns a
-`grpokit.rollout.base.RolloutEngine`. Register your own with `register_engine("name", factory)`
+`grpokit.rollout.base.RolloutEngine`; the trainer passes `rollout=` (the config's `rollout`
+section) among the options, for engines with settings of their own (`server`). Register your own with `register_engine("name", factory)`
 before the config is validated. This module imports nothing heavy: a factory imports its engine
 when it is called.
 """
@@ -68,3 +69,21 @@ def _hf_copy(model, tokenizer, **options):
     for p in own.parameters():
         p.requires_grad_(False)
     return HFEngine(own, tokenizer, owns_weights=True)
+
+
+@register_engine("server")
+def _server(model, tokenizer, rollout=None, **options):
+    """Generation in a `grpokit rollout-server` process at `rollout.server` (HOST:PORT,
+    `grpokit.rollout.client.ServerEngine`); weights pushed over a torch.distributed group. The
+    server starts from the policy's weights as they are now (version 0; LoRA merged)."""
+    from grpokit.errors import ConfigError
+    from grpokit.rollout.client import ServerEngine
+    from grpokit.train.lora import is_peft, merged_state_dict
+
+    if rollout is None or not rollout.server:
+        raise ConfigError("rollout.engine=server needs rollout.server=HOST:PORT (a running `grpokit rollout-server`)")
+    engine = ServerEngine(rollout.server, tokenizer, device=next(model.parameters()).device,
+                          timeout_s=rollout.server_timeout_s, retries=rollout.server_retries)
+    weights = merged_state_dict(model) if is_peft(model) else model.state_dict()
+    engine.update_weights(((n, t.detach()) for n, t in weights.items()), version=0)
+    return engine

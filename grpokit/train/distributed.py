@@ -62,6 +62,11 @@ def check_config(cfg, world: int) -> None:
                           "prompts from its own statistics and the ranks' data order would diverge)")
     if cfg.algorithm.rewrite.enabled:
         raise ConfigError("algorithm.rewrite is not supported with train.distributed yet")
+    if cfg.rollout.engine in ("server", "vllm"):
+        raise ConfigError(f"rollout.engine={cfg.rollout.engine} is not supported with train.distributed yet "
+                          "(each rank generates with its own copy: use rollout.engine=hf)")
+    if cfg.rollout.async_:
+        raise ConfigError("rollout.async is not supported with train.distributed yet")
     if cfg.lora.enabled and cfg.lora.load_in_4bit:
         raise ConfigError("lora.load_in_4bit is not supported with train.distributed")
 

@@ -10,6 +10,9 @@
   6. the worker's training step (grpokit.train.worker): mu passes of clipped surrogate + beta * KL;
   7. push the new weights to an engine that holds its own, step the KL controller, log.
 
+With `rollout.async` the engine generates the next batch while step 6 runs (grpokit.train.overlap):
+batches are then one step stale, which pi_old and the importance weights of step 4 correct.
+
 The driver only calls: the worker owns the weights, the engine generates, the reference is an
 object, transforms change the batch, `RunDir` keeps the run's files, `Guard` counts bad steps.
 Departure from the paper: the KL coefficient may change between steps (a controller).
@@ -39,6 +42,7 @@ from grpokit.train import batch as batch_lib
 from grpokit.train.batch import Batch
 from grpokit.train.build import batch_advice, reference_for
 from grpokit.train.kl_control import build_kl_controller
+from grpokit.train.overlap import OneStepOffPolicy
 from grpokit.train.checkpoint import load_state, nothing_to_resume
 from grpokit.train.evaluate import held_out
 from grpokit.train.guard import Guard
@@ -69,7 +73,7 @@ class Trainer:
         self.dp = getattr(self.worker, "ctx", None)
         self.run = RunDir(cfg, dist=self.dp)
         self.encoder = PromptEncoder(tokenizer, cfg.data.chat_template)
-        self.engine = engine or build_engine(cfg.rollout.engine, self.worker.model, tokenizer)
+        self.engine = engine or build_engine(cfg.rollout.engine, self.worker.model, tokenizer, rollout=cfg.rollout)
         if hasattr(self.worker, "gathered"):        # sharded weights: gathered once per rollout
             self.engine = GatheredEngine(self.engine, self.worker)
         dev = next(self.worker.model.parameters()).device
@@ -84,6 +88,9 @@ class Trainer:
                                       ema=cur.ema, prior=cur.prior, prior_field=cur.prior_field) if cur.enabled else None)
         self.dynamic = DynamicSampling() if cfg.rollout.dynamic_sampling else None
         self.transforms = build_transforms(cfg, tokenizer=tokenizer, curriculum=self.curriculum)
+        self.overlap = (OneStepOffPolicy(self.engine, lambda: self.draw_prompts(cfg.prompts_per_step),
+                                         self.encode_prompts, self.sampling_params(), self.gen)
+                        if cfg.rollout.async_ else None)
         self.step_idx = 0
         self.ref_probe = ReferenceProbe(cfg.guard) if self.reference is not None and cfg.guard.ref_check_every else None
         self.last_batch: Batch | None = None          # the last step's batch (sample dumps)
@@ -136,9 +143,9 @@ class Trainer:
         t = time.perf_counter()
         upd = self.worker.train_step(batch, beta, step=self.step_idx)  # 6
         m["time/update"] = time.perf_counter() - t
-        self.sync_weights()                                             # 7
         drift = self.ref_probe.check(self.worker, batch, self.step_idx) if self.ref_probe is not None else None
         self._after_update(upd.pop("guard/causes"), int(upd.pop("guard/updates_skipped")))
+        self.sync_weights()                                             # 7 (after a rollback, too)
         if kl_in_reward is not None:                 # no KL term in the loss: kl/ref is the reward's k1
             upd.update(kl_in_reward)
         observed = upd.get("kl/ref_seq" if a.kl.target_unit == "sequence" else "kl/ref", 0.0)
@@ -153,12 +160,17 @@ class Trainer:
         # the worker's metrics are already the job's; the rest are reduced over ranks
         return out if self.dp is None else self.dp.reduce_metrics(out, agreed=set(upd))
 
-    def sample(self, rows: list[dict]) -> RolloutBatch:
+    def sampling_params(self) -> SamplingParams:
         r = self.cfg.rollout
-        params = SamplingParams(n=r.group_size, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                                top_p=r.top_p, top_k=r.top_k, resample_threshold=r.resample_threshold,
-                                ignore_eos=r.ignore_eos)
-        return self.engine.generate([self.encoder.encode(row["prompt"]) for row in rows], params, self.gen)
+        return SamplingParams(n=r.group_size, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                              top_p=r.top_p, top_k=r.top_k, resample_threshold=r.resample_threshold,
+                              ignore_eos=r.ignore_eos)
+
+    def encode_prompts(self, idx: list[int]) -> list[list[int]]:
+        return [self.encoder.encode(self.dataset[i]["prompt"]) for i in idx]
+
+    def sample(self, rows: list[dict]) -> RolloutBatch:
+        return self.engine.generate([self.encoder.encode(row["prompt"]) for row in rows], self.sampling_params(), self.gen)
 
     def score(self, batch: Batch) -> Batch:
         """Fill the batch's rewards: weighted totals (NaN = could not be scored) and each function's."""
@@ -189,13 +201,19 @@ class Trainer:
         n_kept, t_roll, t_rew = 0, 0.0, 0.0
         self._engine_memory("resume_memory")          # a colocated engine gets its memory back
         for r in range(rounds):
-            idx = self.draw_prompts(P)
-            if self.dp is not None:                   # this rank's whole groups of the global draw
-                idx = self.dp.my_prompts(idx)
-            rows = [self.dataset[i] for i in idx]
             t = time.perf_counter()
-            rb = self.sample(rows)
+            if self.overlap is not None and r == 0:   # generated while the last step trained
+                idx, rb = self.overlap.take()
+                rows = [self.dataset[i] for i in idx]
+            else:
+                idx = self.draw_prompts(P)
+                if self.dp is not None:               # this rank's whole groups of the global draw
+                    idx = self.dp.my_prompts(idx)
+                rows = [self.dataset[i] for i in idx]
+                rb = self.sample(rows)
             t_roll += time.perf_counter() - t
+            if r == 0:
+                staleness = self._staleness(rb)
             t = time.perf_counter()
             first = r * P if self.dp is None else self.dp.first_group(r, P)
             fresh = self.score(batch_lib.from_rollout(rb, idx, rows, G, step=self.step_idx, first_group=first))
@@ -215,12 +233,28 @@ class Trainer:
             n_kept += n_new
             if n_kept >= P:
                 break
-        self._engine_memory("release_memory")         # ... and gives it to the update
+        if self.overlap is not None and self.step_idx + 1 < cfg.train.steps:
+            self.overlap.submit()                     # batch k+1 from weights k, while step k trains
+        else:
+            self._engine_memory("release_memory")     # ... and gives it to the update
         metrics = {"time/rollout": t_roll, "time/reward": t_rew, "dynamic/rounds": float(r + 1),
-                   "dynamic/kept_groups": float(n_kept if self.dynamic is not None else P)}
+                   "dynamic/kept_groups": float(n_kept if self.dynamic is not None else P), **staleness}
         batch = batch_lib.concat(kept or [fresh], self.tokenizer.pad_token_id)
         metrics.update(batch_lib.merged_reward_metrics(kept or [fresh]))
         return batch, metrics
+
+    def _staleness(self, rb: RolloutBatch) -> dict[str, float]:
+        """`rollout/staleness`: optimizer steps between the weights that sampled `rb` and the ones
+        about to train on it (engines that report a weights version). Weights that have trained k
+        steps are version k, so it is `step_idx - version`: 0 on-policy, at most 1 with
+        `rollout.async`; anything else means the engine sampled from weights it should not have."""
+        if rb.weights_version is None:
+            return {}
+        staleness, allowed = self.step_idx - rb.weights_version, int(self.overlap is not None)
+        if not 0 <= staleness <= allowed:
+            raise RuntimeError(f"step {self.step_idx + 1}: the rollout engine sampled with weights version "
+                               f"{rb.weights_version}, {staleness} steps behind the trainer's (allowed: {allowed})")
+        return {"rollout/staleness": float(staleness)}
 
     def _engine_memory(self, what: str) -> None:
         """Call the engine's optional `release_memory` / `resume_memory` when it has one."""
@@ -250,10 +284,12 @@ class Trainer:
             batch.old_logp = self.worker.logprobs(batch, "policy")
         return {}
 
-    def sync_weights(self) -> None:
-        """Push the trained weights to an engine that holds its own copy (no-op otherwise)."""
+    def sync_weights(self, version: int | None = None) -> None:
+        """Push the trained weights to an engine that holds its own copy (no-op otherwise). Their
+        version is the number of steps they have trained: `step_idx + 1` inside a step."""
         if getattr(self.engine, "owns_weights", False):
-            self.engine.update_weights(self.worker.export_weights(), version=self.step_idx + 1)
+            self.engine.update_weights(self.worker.export_weights(),
+                                       version=self.step_idx + 1 if version is None else version)
 
     def batch_metrics(self, batch: Batch, adv: torch.Tensor, adv_stats: dict) -> dict[str, float]:
         lengths, rewards = batch.lengths.float(), batch.rewards
@@ -291,6 +327,7 @@ class Trainer:
         learning-rate schedule still advances by the step's updates (it counts training steps)."""
         self.worker.skip_step()
         self._after_update([cause], self.worker.updates_per_step())
+        self.sync_weights()                          # the weights may have been rolled back
         self.last_batch = None
         return {"kl/beta": self.kl_ctl.beta, "optim/lr": self.worker.scheduler.get_last_lr()[0],
                 **self.guard.metrics(), "time/step": time.perf_counter() - t_step, "memory/rss_mb": rss_mb()}
@@ -305,6 +342,7 @@ class Trainer:
             "ref_probe": self.ref_probe.state_dict() if self.ref_probe is not None else None,
             "curriculum": self.curriculum.state_dict() if self.curriculum is not None else None,
             "health": self.health.state_dict() if self.health is not None else None,
+            "rollout_in_flight": self.overlap.state_dict() if self.overlap is not None else None,
         }
 
     def load_state_dict(self, s: dict) -> None:
@@ -323,6 +361,8 @@ class Trainer:
             self.curriculum.load_state_dict(s["curriculum"])
         if self.health is not None and s.get("health") is not None:
             self.health.load_state_dict(s["health"])
+        if self.overlap is not None:
+            self.overlap.load_state_dict(s.get("rollout_in_flight"))
 
     def save(self):
         """Checkpoint; it counts as healthy when no update was skipped since the previous one."""
@@ -346,7 +386,7 @@ class Trainer:
             return False
         self.worker.load_weights(ck)
         self.load_state_dict(load_state(ck))
-        self.sync_weights()
+        self.sync_weights(version=self.step_idx)     # a restarted engine gets the checkpoint's weights
         self.saved_at = (self.step_idx, self.clock())
         self.run.resumed(self.step_idx)
         log.info("resumed from %s (step %d)", ck, self.step_idx)

@@ -1,0 +1,135 @@
+"""On-policy vs one-step-off-policy (`rollout.async`) step time on the demo task, in one run.
+
+    .venv/bin/python bench/overlap.py [--steps 20] [--threads 1] [--docs]
+
+Builds (or reuses) the demo's warm-started model under --work, starts one `grpokit rollout-server`
+(HF backend) in a child process, then trains the demo configuration with `rollout.engine: server`
+twice from the same weights: on-policy, then with `rollout.async: true`. Each mode runs one warm-up
+step and then --steps steps; the figure is the wall time between consecutive steps (what a run's
+length is made of), median and mean, and the ratio on-policy / async. The trainer and the server
+each get --threads torch threads (on a 2-core machine, one core each). Nothing is downloaded.
+`--docs` writes the table into docs/rollout.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs" / "rollout.md"
+BEGIN, END = "<!-- overlap:begin -->", "<!-- overlap:end -->"
+
+
+def start_server(model_dir: Path, log_path: Path, threads: int) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "grpokit.cli", "rollout-server", "--model", str(model_dir),
+                             "--port", "0", "--device", "cpu"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        m = re.search(r"listening on (\S+:\d+)", log_path.read_text())
+        if m:
+            return proc, m.group(1)
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"the rollout server did not start: {log_path.read_text()[-2000:]}")
+
+
+def run_mode(address: str, warm: Path, data: Path, work: Path, *, asynchronous: bool, steps: int, seed: int) -> dict:
+    import torch
+
+    from grpokit.config import load_config
+    from grpokit.data.datasets import load_prompts
+    from grpokit.train import build_rewards
+    from grpokit.train.build import build_policy, load_model, load_tokenizer
+    from grpokit.train.loop import Trainer
+
+    name = "async" if asynchronous else "on_policy"
+    cfg = load_config(["demo"], [f"model.path={warm}", f"data.path={data}", f"train.run_dir={work / name}",
+                                 f"train.steps={steps + 1}", f"train.seed={seed}", "train.save_every=0",
+                                 "train.sample_every=0", "train.progress=false", "train.check_rewards=false",
+                                 "rollout.engine=server", f"rollout.server={address}",
+                                 f"rollout.async={str(asynchronous).lower()}"])
+    torch.manual_seed(seed)
+    model, reference = build_policy(cfg, load_model(warm, dtype="float32", device="cpu"))
+    tr = Trainer(cfg, model, load_tokenizer(warm), load_prompts(cfg.data.path), build_rewards(cfg), reference=reference)
+    marks, rows = [time.perf_counter()], []
+
+    def progress(step, metrics):
+        marks.append(time.perf_counter())
+        rows.append(metrics)
+
+    tr.train(progress=progress)
+    tr.engine.close()
+    gaps = [b - a for a, b in zip(marks[1:], marks[2:])]          # after the warm-up step
+    return {"mode": name, "steps": len(gaps), "step_s_median": statistics.median(gaps),
+            "step_s_mean": statistics.fmean(gaps),
+            "rollout_wait_s_mean": statistics.fmean(r["time/rollout"] for r in rows[1:]),
+            "update_s_mean": statistics.fmean(r["time/update"] for r in rows[1:]),
+            "staleness": sorted({r.get("rollout/staleness") for r in rows[1:]}),
+            "reward_mean_last5": statistics.fmean(r["reward/mean"] for r in rows[-5:])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=20, help="measured steps per mode (after one warm-up step)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for the trainer and for the server")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--work", default=str(ROOT / "runs" / "bench-overlap"))
+    ap.add_argument("--docs", action="store_true", help="write the table into docs/rollout.md")
+    args = ap.parse_args()
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from grpokit.demo import DemoSettings, warm_start
+    from grpokit.tasks.arithmetic import ArithmeticTask
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    s = DemoSettings(seed=args.seed)
+    task = ArithmeticTask(seed=args.seed, carry_frac=s.carry_frac, teacher_correct=s.teacher_correct, heldout=s.heldout)
+    warm = warm_start(s, task, work, say=print)
+    data = work / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in task.train_rows(20000, args.seed + 7)))
+    proc, address = start_server(warm, work / "server.log", args.threads)
+    try:
+        results = [run_mode(address, warm, data, work, asynchronous=a, steps=args.steps, seed=args.seed)
+                   for a in (False, True)]
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    on, off = results
+    ratio = on["step_s_median"] / off["step_s_median"]
+    out = {"results": results, "ratio_on_policy_over_async_median": ratio,
+           "ratio_on_policy_over_async_mean": on["step_s_mean"] / off["step_s_mean"],
+           "threads": args.threads, "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    print(json.dumps(out, indent=2))
+    (work / "overlap.json").write_text(json.dumps(out, indent=2))
+    if args.docs:
+        table = ["| mode | step time, median (s) | mean (s) | rollout wait, mean (s) | update, mean (s) | staleness |",
+                 "|---|---|---|---|---|---|"]
+        for r in results:
+            table.append(f"| {r['mode'].replace('_', '-')} | {r['step_s_median']:.3f} | {r['step_s_mean']:.3f} | "
+                         f"{r['rollout_wait_s_mean']:.3f} | {r['update_s_mean']:.3f} | {r['staleness']} |")
+        table.append("")
+        table.append(f"On-policy / async step time: **{ratio:.2f}x** (median; mean {out['ratio_on_policy_over_async_mean']:.2f}x); "
+                     f"{args.steps} steps per mode after one warm-up, {args.threads} torch thread(s) for the trainer and "
+                     f"for the server, {out['cpus']} CPUs, {out['date']} (`python bench/overlap.py --steps {args.steps}`).")
+        text = DOCS.read_text()
+        i, j = text.index(BEGIN) + len(BEGIN), text.index(END)
+        DOCS.write_text(text[:i] + "\n" + "\n".join(table) + "\n" + text[j:])
+
+
+if __name__ == "__main__":
+    main()

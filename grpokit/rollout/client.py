@@ -1,0 +1,241 @@
+"""`rollout.engine: server`: a `RolloutEngine` whose generation runs in a `grpokit rollout-server`
+process (grpokit.rollout.server), possibly on another machine.
+
+The engine holds its own weights (`owns_weights`): after every optimizer step the trainer's weights
+are announced over HTTP and broadcast over the weight group (grpokit.rollout.weight_sync), and the
+server acknowledges the version it loaded. Every completion comes back with the version of the
+weights that generated it, so the driver can check how stale a batch is. `submit` starts a
+generation in the background (what `rollout.async` overlaps with the update); `generate` waits for it.
+
+Faults: a server that does not answer at start is a one-line ConfigError; a request that gets no
+answer is retried `retries` times with back-off, then RolloutServerError stops the run (its last
+checkpoint stays as it was; `--resume` with a restarted server pushes the weights again). A server
+that was restarted behind the trainer's back (another instance id) and any malformed response are
+errors too, never a silent wrong result.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import threading
+import time
+
+import torch
+
+from grpokit.errors import ConfigError
+from grpokit.rollout import wire
+from grpokit.rollout.base import NonFiniteLogits, RolloutBatch, SamplingParams
+from grpokit.rollout.weight_sync import TRAINER, WeightGroup, connect_store
+
+log = logging.getLogger("grpokit.rollout")
+
+__all__ = ["RolloutServerError", "ServerEngine", "parse_address"]
+
+
+class RolloutServerError(RuntimeError):
+    """The rollout server failed, went away or answered nonsense; the message is one line."""
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """"HOST:PORT" -> (host, port); a ConfigError otherwise."""
+    host, sep, port = str(address).strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"rollout.server must look like HOST:PORT (got {address!r})")
+    return host.strip("[]"), int(port)
+
+
+class _Http:
+    """JSON over HTTP with bounded retries of requests that got no answer."""
+
+    def __init__(self, address: str, timeout_s: float, retries: int):
+        self.address = address
+        self.host, self.port = parse_address(address)
+        self.timeout_s, self.retries = timeout_s, retries
+
+    def call(self, method: str, path: str, body=None, *, tries: int | None = None) -> dict:
+        tries = tries or self.retries
+        last = None
+        for attempt in range(tries):
+            if attempt:
+                time.sleep(min(0.5 * 2 ** (attempt - 1), 5.0))
+            try:
+                return self._once(method, path, body)
+            except (OSError, http.client.HTTPException) as exc:     # refused, reset, timed out
+                last = exc
+                log.warning("rollout server %s: %s %s got no answer (try %d of %d): %s",
+                            self.address, method, path, attempt + 1, tries, exc)
+        raise RolloutServerError(f"rollout server {self.address} did not answer {method} {path} after "
+                                 f"{tries} tries ({type(last).__name__}: {last})")
+
+    def _once(self, method: str, path: str, body) -> dict:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        try:
+            data = json.dumps(body).encode() if body is not None else None
+            conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            raw = resp.read()
+        finally:
+            conn.close()
+        try:
+            out = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise RolloutServerError(f"rollout server {self.address}: {method} {path}: HTTP {resp.status} "
+                                     f"with a body that is not JSON") from None
+        if not isinstance(out, dict):
+            raise RolloutServerError(f"rollout server {self.address}: {method} {path}: the answer is not a JSON object")
+        if resp.status != 200:
+            msg = out.get("error", f"HTTP {resp.status}")
+            if out.get("kind") == "non_finite_logits":
+                raise NonFiniteLogits(msg)
+            raise RolloutServerError(f"rollout server {self.address}: {method} {path}: {msg}")
+        return out
+
+
+class PendingRollout:
+    """A generation in flight; `result()` waits for it and checks the answer."""
+
+    def __init__(self, engine: "ServerEngine", prompt_ids: list[list[int]], params: SamplingParams, body: dict):
+        self.engine, self.prompt_ids, self.params = engine, prompt_ids, params
+        self._out: dict | None = None
+        self._exc: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(body,), name="rollout-request", daemon=True)
+        self._thread.start()
+
+    def _run(self, body: dict) -> None:
+        try:
+            self._out = self.engine.http.call("POST", "/generate", body)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread by result()
+            self._exc = exc
+
+    def result(self) -> RolloutBatch:
+        self._thread.join()
+        if self._exc is not None:
+            raise self._exc
+        return self.engine._batch(self.prompt_ids, self.params, self._out)
+
+
+class ServerEngine:
+    """Rollout engine client of a `grpokit rollout-server` at `address` ("HOST:PORT")."""
+
+    owns_weights = True
+
+    def __init__(self, address: str, tokenizer, *, device: torch.device | str = "cpu", timeout_s: float = 600.0,
+                 retries: int = 3):
+        self.http = _Http(address, timeout_s, retries)
+        self.tokenizer, self.timeout_s = tokenizer, timeout_s
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        try:
+            health = self.http.call("GET", "/health")
+        except RolloutServerError as exc:
+            raise ConfigError(f"rollout.server {address}: no rollout server answers there ({exc}); start one "
+                              "with `grpokit rollout-server --model PATH --port PORT`") from None
+        self.instance, self.version = health.get("instance"), health.get("version")
+        self.vocab_size = health.get("vocab_size")
+        if not isinstance(self.instance, str) or not isinstance(self.version, int):
+            raise RolloutServerError(f"rollout server {address}: malformed /health answer")
+        if self.vocab_size is not None and len(tokenizer) > self.vocab_size:
+            raise ConfigError(f"rollout.server {address} serves a model with {self.vocab_size} token ids but the "
+                              f"trainer's tokenizer has {len(tokenizer)}: is it the same model?")
+        trainer_cuda = torch.device(device).type == "cuda"
+        backend = "nccl" if trainer_cuda and str(health.get("device", "")).startswith("cuda") else "gloo"
+        self.group = self._join_group(backend)
+        log.info("rollout server %s: %s backend on %s, weight group over %s", address, health.get("backend"),
+                 health.get("device"), backend)
+
+    def _join_group(self, backend: str) -> WeightGroup:
+        out = self.http.call("POST", "/init_weights_group", {"backend": backend, "timeout_s": self.timeout_s})
+        store = connect_store(self.http.host, int(out["port"]), self.timeout_s)
+        group = WeightGroup(store, TRAINER, backend, self.timeout_s, str(out["group_id"]))
+        self._store = store                    # the group needs its store alive
+        return group
+
+    # ---------------------------------------------------------------------------- weights
+    def update_weights(self, named_tensors, version: int | None = None) -> None:
+        """Announce the tensors, broadcast them, wait for the server to load them all and
+        acknowledge `version` (default: the last one + 1)."""
+        named = list(named_tensors)
+        version = self.version + 1 if version is None else int(version)
+        meta = wire.describe(named)
+        self._check_instance(self.http.call("GET", "/version"))
+        self.http.call("POST", "/update_weights", {"version": version, "tensors": meta}, tries=1)
+        try:
+            self.group.send([t for _, t in named])
+        except RuntimeError as exc:
+            raise RolloutServerError(f"rollout server {self.http.address}: the weight broadcast failed ({exc})") from None
+        ack = self._check_instance(self.http.call("GET", "/version?wait=1"))
+        if ack.get("version") != version:
+            raise RolloutServerError(f"rollout server {self.http.address} acknowledged weights version "
+                                     f"{ack.get('version')}, not {version}")
+        self.version = version
+
+    def _check_instance(self, answer: dict) -> dict:
+        if answer.get("instance") != self.instance:
+            raise RolloutServerError(
+                f"rollout server {self.http.address} was restarted during the run (its weights are no longer "
+                "the trainer's)")
+        return answer
+
+    def checksums(self) -> dict[str, str]:
+        """sha256 per tensor of the server's weights (grpokit.rollout.server.tensor_checksum)."""
+        return self.http.call("GET", "/checksums")["checksums"]
+
+    # ---------------------------------------------------------------------------- generation
+    def submit(self, prompt_ids: list[list[int]], params: SamplingParams,
+               generator: torch.Generator | None = None) -> PendingRollout:
+        """Start a generation in the background; the server's sampler is seeded from `generator`."""
+        seed = None
+        if generator is not None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+        body = {"prompt_ids": [list(map(int, p)) for p in prompt_ids], "seed": seed,
+                "params": {"n": params.n, "max_new_tokens": params.max_new_tokens,
+                           "temperature": float(params.temperature), "top_p": float(params.top_p),
+                           "top_k": params.top_k, "ignore_eos": params.ignore_eos,
+                           "resample_threshold": params.resample_threshold}}
+        return PendingRollout(self, prompt_ids, params, body)
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
+                 generator: torch.Generator | None = None) -> RolloutBatch:
+        return self.submit(prompt_ids, params, generator).result()
+
+    def _batch(self, prompt_ids, params: SamplingParams, out: dict) -> RolloutBatch:
+        """The RolloutBatch of a /generate answer, refused unless it is exactly what was asked."""
+        try:
+            r = wire.parse(wire.GenerateResponse, {k: v for k, v in out.items() if k != "instance"}, "generate response")
+        except wire.WireError as exc:
+            raise RolloutServerError(f"rollout server {self.http.address}: {exc}") from None
+        self._check_instance(out)
+        N = len(prompt_ids) * params.n
+        bad = None
+        if len(r.completion_ids) != N:
+            bad = f"{len(r.completion_ids)} completions for {len(prompt_ids)} prompts x {params.n}"
+        elif max(len(c) for c in r.completion_ids) > params.max_new_tokens:
+            bad = f"a completion is longer than max_new_tokens={params.max_new_tokens}"
+        elif self.vocab_size is not None and max(max(c) for c in r.completion_ids) >= self.vocab_size:
+            bad = f"a token id is >= the vocabulary size {self.vocab_size}"
+        if bad:
+            raise RolloutServerError(f"rollout server {self.http.address}: malformed generate response: {bad}")
+        L = max(len(c) for c in r.completion_ids)
+        ids = torch.full((N, L), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((N, L), dtype=torch.long)
+        logps = torch.zeros((N, L), dtype=torch.float32)
+        for i, (c, lp) in enumerate(zip(r.completion_ids, r.logprobs)):
+            ids[i, :len(c)] = torch.tensor(c)
+            mask[i, :len(c)] = 1
+            logps[i, :len(c)] = torch.tensor(lp, dtype=torch.float32)
+        return RolloutBatch(
+            prompt_ids=[list(p) for p in prompt_ids for _ in range(params.n)],
+            completion_ids=ids, completion_mask=mask, sampler_logprobs=logps,
+            finish_reason=list(r.finish_reason), completions=self.tokenizer.batch_decode(ids.tolist(), skip_special_tokens=True),
+            resampled=r.resampled, weights_version=r.weights_version)
+
+    def release_memory(self) -> None:
+        """Nothing here: the server's memory is its own."""
+
+    def resume_memory(self) -> None:
+        """Undo `release_memory`."""
+
+    def close(self) -> None:
+        """Leave the weight group (the server keeps running)."""
+        self.group.close()
