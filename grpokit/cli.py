@@ -79,7 +79,8 @@ def cmd_eval(args) -> int:
     ds = load_prompts(args.data, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field)
     rewards = build_rewards(cfg)
     import torch
-    res = evaluate(build_engine(cfg.rollout.engine, model, tok), PromptEncoder(tok, cfg.data.chat_template), rewards,
+    engine = build_engine(cfg.rollout.engine, model, tok, **cfg.rollout.engine_options())
+    res = evaluate(engine, PromptEncoder(tok, cfg.data.chat_template), rewards,
                    PromptDataset(ds.rows), cfg, samples=args.samples, generator=torch.Generator().manual_seed(cfg.train.seed))
     print(json.dumps({"model": args.model, "data": args.data, "prompts": len(ds), **res}, indent=2))
     return 0

@@ -68,3 +68,12 @@ def _hf_copy(model, tokenizer, **options):
     for p in own.parameters():
         p.requires_grad_(False)
     return HFEngine(own, tokenizer, owns_weights=True)
+
+
+@register_engine("vllm")
+def _vllm(model, tokenizer, **options):
+    """vLLM's `LLM` in this process over its own copy of the weights, refreshed after every optimizer
+    step (`grpokit.rollout.vllm.VLLMEngine`; options: `rollout.vllm`). Needs vLLM installed."""
+    from grpokit.rollout.vllm import VLLMEngine
+
+    return VLLMEngine(model, tokenizer, **options)

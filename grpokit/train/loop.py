@@ -65,7 +65,8 @@ class Trainer:
                                             reference if reference is not None else reference_for(cfg, model))
         self.run = RunDir(cfg)
         self.encoder = PromptEncoder(tokenizer, cfg.data.chat_template)
-        self.engine = engine or build_engine(cfg.rollout.engine, self.worker.model, tokenizer)
+        self.engine = engine or build_engine(cfg.rollout.engine, self.worker.model, tokenizer,
+                                                   **cfg.rollout.engine_options())
         dev = next(self.worker.model.parameters()).device
         self.gen = torch.Generator(device="cpu" if dev.type == "cpu" else dev)
         self.gen.manual_seed(cfg.train.seed)
