@@ -169,7 +169,8 @@ class RolloutConfig(_Section):
     engine: EngineName = "hf"
     """Generation engine, a name in `grpokit.rollout.ENGINES` (`hf`: the policy itself through
     transformers with a KV cache, in-process; `hf_copy`: the same over its own copy of the
-    weights, synced after every optimizer step; add one with `grpokit.rollout.register_engine`)."""
+    weights, synced after every optimizer step; `vllm`: vLLM in this process, options in
+    `rollout.vllm`; add one with `grpokit.rollout.register_engine`)."""
     is_correction: bool = True
     """When the engine holds its own weights (its numerics may differ from the trainer's): weight
     each token's loss by the truncated importance ratio pi_old / pi_sampler (docs/algorithms.md,
