@@ -80,6 +80,16 @@ def _plain_model(model):
     return plain
 
 
+def _generation_eos(model_dir: str):
+    """The EOS id(s) of the directory's generation_config.json (chat models often list several), or None."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:                                   # no generation_config.json
+        return None
+
+
 def _expected_tensors(model_dir: str) -> tuple[dict[str, tuple[int, ...]], set[str], set[str]]:
     """From the model's config alone (a model on the meta device, no memory): the shape of every
     tensor `update_weights` may receive, the names it must receive, and the tied ones it may omit."""
@@ -99,8 +109,9 @@ class VLLMEngine:
 
     `model`: a local Hugging Face model directory, or a transformers model (PEFT models too: the
     adapters are merged), which is saved to a temporary directory for vLLM to load. `tokenizer`
-    decodes completions and gives the EOS id. The other options are `rollout.vllm`'s
-    (`grpokit.config.VLLMConfig`)."""
+    decodes completions and gives the EOS id (with the model's generation config's). The other
+    options are `rollout.vllm`'s (`grpokit.config.VLLMConfig`); `dtype="auto"` is the model's own
+    dtype, or for a directory the one grpokit would load it in (float32 on CPU, bfloat16 on CUDA)."""
 
     owns_weights = True
 
@@ -118,7 +129,12 @@ class VLLMEngine:
             model_dir = str(model)
             if not Path(model_dir, "config.json").is_file():
                 raise ConfigError(f"rollout.engine=vllm: {model_dir} is not a Hugging Face model directory (no config.json)")
-            gen_eos = None
+            gen_eos = _generation_eos(model_dir)
+            if dtype == "auto":                     # as grpokit loads a model: float32 on CPU, bfloat16 on CUDA
+                from grpokit.train.model import resolve_dtype
+
+                dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+                dtype = str(resolve_dtype("auto", dev)).removeprefix("torch.")
         else:
             plain = _plain_model(model)
             if dtype == "auto":

@@ -91,13 +91,14 @@ def test_sampler_logprobs_equal_the_trainers(trainer):
     assert float(rb.sampler_logprobs[~mask].abs().sum()) == 0.0
 
 
-def test_truncated_sampling_reports_the_truncated_distribution(trainer):
-    """With top-k the recorded log-prob is that of the distribution sampled from (renormalised over
-    the k most likely tokens at the given temperature), as grpokit's own sampler records it:
-    recomputed here from the trainer model's logits."""
-    tr, k, T = trainer, 3, 0.7
+@pytest.mark.parametrize("top_k, top_p", [(3, 1.0), (0, 0.8)])
+def test_truncated_sampling_reports_the_truncated_distribution(trainer, top_k, top_p):
+    """With top-k or top-p the recorded log-prob is that of the distribution sampled from
+    (renormalised over the kept tokens at the given temperature), as grpokit's own sampler records
+    it: recomputed here from the trainer model's logits."""
+    tr, T = trainer, 0.7
     ids = prompts(tr, 2)
-    rb = tr.engine.generate(ids, SamplingParams(n=2, max_new_tokens=4, temperature=T, top_k=k),
+    rb = tr.engine.generate(ids, SamplingParams(n=2, max_new_tokens=4, temperature=T, top_k=top_k, top_p=top_p),
                             torch.Generator().manual_seed(2))
     model = tr.model
     with torch.no_grad():
@@ -106,8 +107,14 @@ def test_truncated_sampling_reports_the_truncated_distribution(trainer):
             toks = rb.completion_ids[i, :L].tolist()
             seq = torch.tensor([rb.prompt_ids[i] + toks], device=model.device)
             logits = model(seq).logits[0, len(rb.prompt_ids[i]) - 1:-1].float() / T      # [L, V]
-            kth = logits.topk(k, -1).values[:, -1:]
-            trunc = torch.log_softmax(logits.masked_fill(logits < kth, -math.inf), -1)
+            if top_k:
+                kth = logits.topk(top_k, -1).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, -math.inf)
+            if top_p < 1:                       # keep the most likely tokens until their mass reaches p
+                probs, order = torch.softmax(logits, -1).sort(-1, descending=True)
+                drop_sorted = probs.cumsum(-1) - probs >= top_p
+                logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), -math.inf)
+            trunc = torch.log_softmax(logits, -1)
             want = trunc.gather(-1, torch.tensor(toks, device=model.device)[:, None]).squeeze(-1).cpu()
             torch.testing.assert_close(rb.sampler_logprobs[i, :L], want, atol=LOGP_ATOL, rtol=0)
 
@@ -212,5 +219,30 @@ def test_a_short_lora_grpo_run_through_the_python_api(tmp_path):
         got = greedy(engine, grpo.trainer)
         assert torch.equal(got[0], want[0])
         torch.testing.assert_close(got[1], want[1], atol=LOGP_ATOL, rtol=0)
+    finally:
+        engine.close()
+
+
+def test_an_engine_over_a_model_directory_through_the_registry(tmp_path):
+    """How a rollout server builds it: `build_engine("vllm", path, tokenizer, **options)`. The EOS
+    ids of the directory's generation config count too; greedy output equals the HF engine's."""
+    from transformers import GenerationConfig
+
+    from grpokit.rollout.registry import build_engine
+    from grpokit.train.model import load_model, load_tokenizer
+
+    path = tiny_dir(tmp_path / "model", "llama", seed=1)
+    extra_eos = 5
+    GenerationConfig(eos_token_id=[1, extra_eos], pad_token_id=0).save_pretrained(path)
+    tok = load_tokenizer(path)
+    engine = build_engine("vllm", str(path), tok, kv_cache_memory_bytes=64 << 20, enforce_eager=True, max_model_len=128)
+    try:
+        assert engine.eos_ids == sorted({tok.eos_token_id, extra_eos})
+        hf = HFEngine(load_model(path, dtype="float32", device=DEVICE), tok)
+        ids = [tok.encode(p) for p in ["12+3=", "7+8=", "40+2="]]
+        params = SamplingParams(n=1, max_new_tokens=12, temperature=0.0)
+        got, want = engine.generate(ids, params), hf.generate(ids, params)
+        assert torch.equal(got.completion_ids, want.completion_ids) and got.finish_reason == want.finish_reason
+        torch.testing.assert_close(got.sampler_logprobs, want.sampler_logprobs, atol=LOGP_ATOL, rtol=0)
     finally:
         engine.close()
