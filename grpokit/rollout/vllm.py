@@ -90,9 +90,9 @@ def _generation_eos(model_dir: str):
         return None
 
 
-def _expected_tensors(model_dir: str) -> tuple[dict[str, tuple[int, ...]], set[str], set[str]]:
+def _expected_tensors(model_dir: str) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """From the model's config alone (a model on the meta device, no memory): the shape of every
-    tensor `update_weights` may receive, the names it must receive, and the tied ones it may omit."""
+    tensor `update_weights` may receive, and the names it must receive (a tied LM head may be left out)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
@@ -100,8 +100,7 @@ def _expected_tensors(model_dir: str) -> tuple[dict[str, tuple[int, ...]], set[s
         meta = AutoModelForCausalLM.from_config(config)
     shapes = {name: tuple(t.shape) for name, t in meta.state_dict().items()}
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-    required = {name for name, _ in meta.named_parameters()} - tied
-    return shapes, required, tied
+    return shapes, {name for name, _ in meta.named_parameters()} - tied
 
 
 class VLLMEngine:
@@ -148,7 +147,7 @@ class VLLMEngine:
         if not self.eos_ids:
             raise ValueError("the tokenizer has no EOS token: completions could never finish")
         self.model_dir = model_dir
-        self.shapes, self.required, self.tied = _expected_tensors(model_dir)
+        self.shapes, self.required = _expected_tensors(model_dir)
 
         self.sleep_level = sleep_level
         self.can_sleep = enable_sleep_mode and current_platform.is_sleep_mode_available()
@@ -166,7 +165,11 @@ class VLLMEngine:
         if clash:
             raise ConfigError(f"rollout.vllm.engine_kwargs may not set {', '.join(clash)} (the engine sets them)")
         kwargs.update(engine_kwargs or {})
-        self.llm = vllm.LLM(**kwargs)
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        except (ValueError, NotImplementedError) as exc:    # an architecture or option it refuses
+            why = " ".join(str(exc).split())[:400] or type(exc).__name__
+            raise ConfigError(f"rollout.engine=vllm: vLLM cannot run this model with these options: {why}") from exc
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.weights_version = 0
         self._asleep = False          # release_memory put the engine to sleep

