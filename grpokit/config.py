@@ -143,7 +143,8 @@ class VLLMConfig(_Section):
     """The in-process vLLM engine (`rollout.engine: vllm`, grpokit.rollout.vllm; docs/rollout_vllm.md)."""
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weights dtype inside vLLM; `auto` is the policy's own dtype."""
+    """Weights dtype inside vLLM; `auto` is the policy's own dtype (for an engine built over a model
+    directory: float32 on CPU, bfloat16 on CUDA, as `model.dtype: auto`)."""
     max_model_len: int | None = Field(None, ge=1)
     """Longest prompt + completion vLLM holds; None = the model's `max_position_embeddings`."""
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
