@@ -11,9 +11,10 @@ How the pieces of vLLM's public API are used, and why:
 
 * Weights are pushed with the worker's `reload_weights(weights_iterator=...)` through
   `LLM.collective_rpc`: it takes Hugging Face names and shapes, shards them for tensor
-  parallelism and re-runs the post-load processing (weight repacking on CPU). Calling a model's
-  raw `load_weights` skips that processing, and on the CPU backend the new weights then never reach
-  the kernels. The prefix cache is reset afterwards: it holds keys and values of the old weights.
+  parallelism and re-runs the post-load processing (weight repacking on CPU). A model's raw
+  `load_weights` skips that processing; on the CPU backend it was seen to leave the outputs
+  unchanged, silently. The prefix cache is reset afterwards: it holds keys and values of the old
+  weights.
 * The engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0` unless the
   environment says otherwise), so pushing weights copies nothing between processes.
 * Under torchrun (`WORLD_SIZE` > 1) every rank builds its own engine with
