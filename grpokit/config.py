@@ -155,6 +155,33 @@ class DataConfig(_Section):
     """Curriculum sampling by tracked pass rate."""
 
 
+class VLLMConfig(_Section):
+    """The in-process vLLM engine (`rollout.engine: vllm`, grpokit.rollout.vllm; docs/rollout.md)."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights dtype inside vLLM; `auto` is the policy's own dtype (for an engine built over a model
+    directory: float32 on CPU, bfloat16 on CUDA, as `model.dtype: auto`)."""
+    max_model_len: int | None = Field(None, ge=1)
+    """Longest prompt + completion vLLM holds; None = the model's `max_position_embeddings`."""
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    """Fraction of the device's memory vLLM may take (weights + KV cache), shared with training when
+    colocated (on CPU: the fraction of host memory). Ignored when `kv_cache_memory_bytes` is set."""
+    kv_cache_memory_bytes: int | None = Field(None, ge=1)
+    """KV cache size in bytes, instead of sizing it from `gpu_memory_utilization`."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Devices one vLLM engine shards the model over."""
+    enable_sleep_mode: bool = False
+    """Free vLLM's device memory between rollouts (`release_memory` / `resume_memory` around each
+    one; CUDA only, ignored with a log line elsewhere)."""
+    sleep_level: Literal[1, 2] = 1
+    """1: weights are moved to host memory while asleep and the KV cache dropped; 2: both dropped
+    (less host memory; the weights pushed after the next optimizer step refill them)."""
+    enforce_eager: bool = False
+    """No CUDA graphs / torch.compile: faster start, slower decoding."""
+    engine_kwargs: dict[str, Any] = {}
+    """Further keyword arguments for `vllm.LLM` (e.g. `max_num_seqs`, `enable_prefix_caching`)."""
+
+
 class RolloutConfig(_Section):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
                               validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
@@ -162,7 +189,8 @@ class RolloutConfig(_Section):
     engine: EngineName = "hf"
     """Generation engine, a name in `grpokit.rollout.ENGINES` (`hf`: the policy itself through
     transformers with a KV cache, in-process; `hf_copy`: the same over its own copy of the
-    weights, synced after every optimizer step; `server`: a `grpokit rollout-server` process at
+    weights, synced after every optimizer step; `vllm`: vLLM in this process, options in
+    `rollout.vllm`; `server`: a `grpokit rollout-server` process at
     `rollout.server`; add one with `grpokit.rollout.register_engine`). docs/rollout.md compares them."""
     server: str | None = None
     """`rollout.engine: server`: HOST:PORT of a running `grpokit rollout-server`."""
@@ -218,6 +246,8 @@ class RolloutConfig(_Section):
     fresh prompts, up to `max_sampling_rounds` generation rounds."""
     max_sampling_rounds: int = Field(3, ge=1)
     """Generation rounds per step with dynamic sampling (the batch may stay short after them)."""
+    vllm: VLLMConfig = VLLMConfig()
+    """Options of the `vllm` engine."""
 
 
 class KLConfig(_Section):
@@ -576,6 +606,9 @@ class Config(_Section):
         if fmt is not None and fmt not in names:
             raise ValueError(f"algorithm.sample_filter.format_reward '{fmt}' is not one of the rewards "
                              f"({', '.join(names)}){did_you_mean(fmt, names)}")
+        if r.engine == "vllm" and r.resample_threshold is not None:
+            raise ValueError("rollout.resample_threshold is not supported by rollout.engine=vllm "
+                             "(vLLM cannot exclude the over-confident token); use engine hf or hf_copy")
         if self.algorithm.dual_clip is not None and self.algorithm.dual_clip <= 1:
             raise ValueError("algorithm.dual_clip must be > 1")
         if self.lora.load_in_4bit and not self.lora.enabled:

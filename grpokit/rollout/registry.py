@@ -31,7 +31,8 @@ def get_engine(name: str) -> EngineFactory:
 
 
 def build_engine(name: str, model, tokenizer, **options):
-    """The engine `name` over `model` (the policy)."""
+    """The engine `name` over `model` (the policy). The trainer passes `rollout=` (its
+    `RolloutConfig`): factories read their own sub-section (`rollout.vllm`, `rollout.server`) from it."""
     return get_engine(name)(model, tokenizer, **options)
 
 
@@ -87,3 +88,13 @@ def _server(model, tokenizer, rollout=None, **options):
     weights = merged_state_dict(model) if is_peft(model) else model.state_dict()
     engine.update_weights(((n, t.detach()) for n, t in weights.items()), version=0)
     return engine
+
+
+@register_engine("vllm")
+def _vllm(model, tokenizer, rollout=None, **options):
+    """vLLM's `LLM` in this process over its own copy of the weights, refreshed after every optimizer
+    step (`grpokit.rollout.vllm.VLLMEngine`; options: `rollout.vllm`, then `options`). Needs vLLM
+    installed."""
+    from grpokit.rollout.vllm import VLLMEngine
+
+    return VLLMEngine(model, tokenizer, **{**(rollout.vllm.model_dump() if rollout is not None else {}), **options})

