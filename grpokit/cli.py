@@ -214,6 +214,7 @@ def cmd_export(args) -> int:
     """A checkpoint (of any world size; LoRA adapters merged) as a plain Hugging Face directory."""
     from grpokit.train.build import load_model, load_tokenizer
     from grpokit.train.checkpoint import MARKER
+    from grpokit.train import sharded
     from grpokit.train.lora import is_peft, save_merged
 
     ckpt, out = Path(args.checkpoint), Path(args.out)
@@ -223,7 +224,10 @@ def cmd_export(args) -> int:
         raise FileNotFoundError(f"{ckpt} is not a complete checkpoint (no {MARKER} marker: its save was interrupted)")
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty")
-    model = load_model(ckpt, dtype="auto", device="cpu")      # adapters: their base, merged
+    if sharded.is_sharded(ckpt):                              # an FSDP2 run's shards (DCP)
+        model = sharded.plain_model(ckpt)
+    else:
+        model = load_model(ckpt, dtype="auto", device="cpu")  # adapters: their base, merged
     if is_peft(model):
         save_merged(model, out)
     else:
@@ -333,8 +337,6 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("checkpoint", help="RUN_DIR/checkpoints/step_N (from any number of processes; LoRA merged)")
     x.add_argument("out", help="an empty or new directory")
     x.set_defaults(fn=cmd_export)
-    return 0
-
 
     rs = sub.add_parser("rollout-server", help="serve rollouts to a trainer in another process (rollout.engine: server)")
     rs.add_argument("--model", required=True, help="local Hugging Face model directory (the policy's starting weights)")

@@ -91,8 +91,8 @@ def check_logits(logits: torch.Tensor) -> None:
             "next-token logits (the forward pass overflowed or the weights are not finite)")
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+                u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw one token per row. logits: [B, V] (raw). Returns (tokens [B], logprobs [B], resampled [B]).
 
     The log-prob is that of the distribution actually sampled from: after temperature, top-k and
@@ -102,7 +102,8 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     distribution with the top token excluded and renormalised; its recorded log-prob is log q(token)
     under that renormalised q, so an importance ratio built on it stays correct.
 
-    The token is drawn by `draw` (one uniform number per row, not one per vocabulary entry).
+    The token is drawn by `draw` (one uniform number per row, not one per vocabulary entry), or at
+    the given quantiles `u` [B] (from `PromptStreams`) instead of numbers drawn from `generator`.
     Raises NonFiniteLogits when a row has NaN/inf logits (no distribution to draw from).
     """
     check_logits(logits)
@@ -133,7 +134,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
             rows = resampled.nonzero().squeeze(-1)
             logits[rows, top_i[rows]] = float("-inf")
     logprobs_all = torch.log_softmax(logits, -1)
-    tok = draw(logprobs_all.exp(), generator)
+    tok = draw(logprobs_all.exp(), generator) if u is None else inverse_cdf(logprobs_all.exp(), u)
     return tok, logprobs_all.gather(-1, tok[:, None]).squeeze(-1), resampled
 
 
@@ -150,6 +151,26 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
     token is never drawn: its interval is empty (`right=True` skips ties)."""
     u = torch.rand((probs.shape[0],), dtype=torch.float64, device=probs.device, generator=generator)
     return inverse_cdf(probs, u)
+
+
+class PromptStreams:
+    """One random stream per prompt, for sampling whose outcome for a prompt does not depend on
+    which other prompts share its batch: an engine given a `PromptStreams` instead of a generator
+    draws each decoding step's uniform numbers for prompt j's `n` rows from stream j alone (one
+    number per row per step, finished rows included), so a group sampled alone, or in any batch, in
+    any process, gets the same quantiles. The data-parallel driver seeds stream j from (seed, step,
+    global group index), which makes a run's samples independent of the world size
+    (docs/distributed.md)."""
+
+    def __init__(self, seeds: list[int], device: str | torch.device = "cpu"):
+        self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+
+    def __len__(self) -> int:
+        return len(self.generators)
+
+    def uniforms(self, n: int) -> torch.Tensor:
+        """The next step's numbers: [len(self) * n], prompt after prompt (the engines' row order)."""
+        return torch.cat([torch.rand((n,), dtype=torch.float64, generator=g) for g in self.generators])
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

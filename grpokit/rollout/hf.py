@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from grpokit.gemm import fast_linears
-from grpokit.rollout.base import RolloutBatch, SamplingParams, sample_next
+from grpokit.rollout.base import PromptStreams, RolloutBatch, SamplingParams, sample_next
 from grpokit.rollout.decoder import LeanDecoder
 
 
@@ -78,13 +78,17 @@ class HFEngine:
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
-                 generator: torch.Generator | None = None) -> RolloutBatch:
+                 generator: torch.Generator | PromptStreams | None = None) -> RolloutBatch:
+        """`generator`: one stream for the batch, or a `PromptStreams` (one per prompt: a prompt's
+        completions then do not depend on the rest of the batch)."""
         model, dev = self.model, next(self.model.parameters()).device
         was_training = model.training
         model.eval()
         try:
             if any(len(p) == 0 for p in prompt_ids):
                 raise ValueError("empty prompt: every prompt needs at least one token")
+            if isinstance(generator, PromptStreams) and len(generator) != len(prompt_ids):
+                raise ValueError(f"{len(generator)} prompt streams for {len(prompt_ids)} prompts")
             if self.lean and LeanDecoder.supports(model):
                 return self._generate_lean(model, dev, prompt_ids, params, generator)
             with fast_linears(model):
@@ -152,8 +156,10 @@ class HFEngine:
         n_resampled = torch.zeros((), dtype=torch.long, device=dev)
         stop_at_eos = not params.ignore_eos
         rows = N
+        streams = generator if isinstance(generator, PromptStreams) else None
         for t in range(T):
-            tok, lp, res = sample_next(logits, params, generator)
+            u = streams.uniforms(G).to(dev)[orig] if streams is not None else None
+            tok, lp, res = sample_next(logits, params, generator if streams is None else None, u)
             tok_buf[:, t] = tok
             lp_buf[:, t] = lp
             if params.resample_threshold is not None:
@@ -215,8 +221,10 @@ class HFEngine:
         active = torch.arange(N, device=dev)                     # rows of the full batch still running
         eos = torch.tensor(self.eos_ids, device=dev)
         n_resampled = torch.zeros((), dtype=torch.long, device=dev)
+        streams = generator if isinstance(generator, PromptStreams) else None
         for t in range(T):
-            tok, lp, res = sample_next(logits, params, generator)
+            u = streams.uniforms(G).to(dev)[active] if streams is not None else None
+            tok, lp, res = sample_next(logits, params, generator if streams is None else None, u)
             n_resampled += res.sum()
             tokens[active, t] = tok
             logps[active, t] = lp

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from grpokit.train import gguf, lora, model as model_lib
+from grpokit.train import gguf, lora, model as model_lib, sharded
 from grpokit.train.model import ModelLoadError, _check_dir
 from grpokit.train.reference import Reference
 
@@ -26,6 +26,9 @@ def load_model(path: str | Path, *, dtype: str = "auto", device: str = "auto",
     """A local model directory, a directory of LoRA adapters (their base + the adapters), or a GGUF
     file (`path` itself, or `gguf_file` inside the directory `path`) through its cached conversion."""
     p = _check_dir(gguf.resolve_model_dir(path, gguf_file))
+    if sharded.is_sharded(p):
+        raise ModelLoadError(f"{p} is a sharded checkpoint (an FSDP2 run's): write a plain model "
+                                       f"with `grpokit export {p} OUT_DIR` and load OUT_DIR")
     if _is_adapter_dir(p):
         return lora.load_adapter_model(p, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     return model_lib.load_model(p, dtype=dtype, device=device, gradient_checkpointing=gradient_checkpointing,

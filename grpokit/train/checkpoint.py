@@ -60,20 +60,34 @@ def _discard(root: Path, ckpt: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, *, keep_last: int = 2,
-                    healthy: bool = True, merged: bool = False, keep_healthy: int = 1,
-                    save_weights=None) -> Path:
-    """Write RUN_DIR/checkpoints/step_NNNNNN atomically: into `.tmp_step_*`, every file fsynced, the
-    COMPLETE marker last, then one rename. Returns the checkpoint's path. `save_weights(folder)`
-    writes the policy (a training worker's own saving, e.g. gathered from shards); by default
-    `model`'s."""
+def temp_checkpoint(run_dir: Path, step: int, job: int | None = None) -> Path:
+    """A fresh, empty temporary folder for the checkpoint of `step` (`job`: a number every rank of
+    a job agrees on, e.g. rank 0's pid; default this process's)."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
-    final = checkpoint_path(run_dir, step)
-    tmp = root / f".tmp_step_{step:06d}_{os.getpid()}"
+    tmp = root / f".tmp_step_{step:06d}_{os.getpid() if job is None else job}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
+    return tmp
+
+
+def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, *, keep_last: int = 2,
+                    healthy: bool = True, merged: bool = False, keep_healthy: int = 1,
+                    save_weights=None, tmp: Path | None = None) -> Path:
+    """Write RUN_DIR/checkpoints/step_NNNNNN atomically: into `.tmp_step_*`, every file fsynced, the
+    COMPLETE marker last, then one rename. Returns the checkpoint's path. `save_weights(folder)`
+    writes the policy (a training worker's own saving, e.g. gathered from shards); by default
+    `model`'s. `tmp`: a `temp_checkpoint` folder the weights were already written into (by every
+    rank of a sharded run); then only the rest is written here."""
+    root = Path(run_dir) / "checkpoints"
+    final = checkpoint_path(run_dir, step)
+    if tmp is None:
+        tmp = temp_checkpoint(run_dir, step)
+    elif save_weights is not None:
+        raise ValueError("save_checkpoint: give either tmp (weights written) or save_weights")
+    else:
+        save_weights = lambda folder: None      # noqa: E731 - already in tmp
     if save_weights is not None:
         save_weights(tmp)
     else:                                       # a LoRA policy: adapters, or merged + adapter/ (lora.save)

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from grpokit.train import checkpoint as ckpt_lib
+from grpokit.train import sharded
 from grpokit.train.distributed import DistContext, gathered
 from grpokit.train.guard import NonFiniteStep
 from grpokit.train.logprobs import MicroBatch, completion_logprobs, unwrap
@@ -89,6 +90,9 @@ class DataParallelWorker(LocalWorker):
         else:
             raise ValueError(f"unknown data-parallel mode {ctx.mode!r}")
         self._fsdp_units = [m for m in self.wrapped.modules() if hasattr(m, "unshard")] if ctx.mode == "fsdp2" else []
+        # FSDP2 full fine-tuning checkpoints its shards with DCP (grpokit.train.sharded); LoRA saves
+        # the (small) adapters gathered, DDP the full copy every rank holds
+        self.sharded_checkpoints = ctx.mode == "fsdp2" and not is_peft(model)
 
     def _shard(self, forward: PolicyForward, model, cfg):
         from torch.distributed.device_mesh import init_device_mesh
@@ -199,7 +203,16 @@ class DataParallelWorker(LocalWorker):
             yield name, _full(t).detach()
 
     def save_weights(self, path, *, merged: bool = False) -> None:
-        """Gather the full weights on every rank; rank 0 writes them (`path` None: gather only)."""
+        """Sharded checkpoints: every rank writes its shards of the weights and the optimizer state
+        into `path` (DCP), rank 0 the model's config beside them. Otherwise: gather the full weights
+        on every rank; rank 0 writes them (`path` None: gather only)."""
+        if self.sharded_checkpoints:
+            sharded.save(path, self.wrapped, self.optimizer, prefix=ROOT)
+            if self.ctx.is_main:
+                self.model.config.save_pretrained(path)
+                if getattr(self.model, "generation_config", None) is not None:
+                    self.model.generation_config.save_pretrained(path)
+            return
         if is_peft(self.model):
             # gathered, the modules hold full tensors in FSDP's buffers: the adapters are saved from
             # copies. (state_dict() would register the shards again: named_parameters() it is.)
@@ -213,9 +226,19 @@ class DataParallelWorker(LocalWorker):
             self.model.save_pretrained(Path(path), state_dict=full)
 
     def load_weights(self, ckpt) -> None:
-        """A checkpoint's full weights (written by any world size) into this rank's shards."""
+        """A checkpoint's weights (written by any world size) into this rank's shards; a sharded
+        checkpoint's optimizer state too."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         from safetensors.torch import load_file
+
+        if sharded.is_sharded(ckpt):
+            if is_peft(self.model):
+                raise ValueError(f"{ckpt} is a sharded full-model checkpoint; this run trains LoRA adapters")
+            if self.ctx.mode == "fsdp2":
+                sharded.load(ckpt, self.wrapped, self.optimizer, prefix=ROOT)
+            else:                              # DDP: every rank reads the whole of it
+                sharded.load(ckpt, self.model, self.optimizer)
+            return
 
         if is_peft(self.model):
             with self.gathered():
@@ -240,8 +263,12 @@ class DataParallelWorker(LocalWorker):
         return [n for n, p in self.model.named_parameters() if p.requires_grad]
 
     def state_dict(self) -> dict:
-        """Optimizer state as full tensors keyed by parameter name (loads at any world size)."""
+        """Optimizer state as full tensors keyed by parameter name (loads at any world size); with
+        sharded checkpoints it is in the DCP folder instead (`save_weights`)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        if self.sharded_checkpoints:
+            return {"optimizer": sharded.IN_DCP, "scheduler": self.scheduler.state_dict()}
 
         osd = get_optimizer_state_dict(self.wrapped, self.optimizer,
                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -250,8 +277,11 @@ class DataParallelWorker(LocalWorker):
                                   for g in osd.get("param_groups", [])]}
         return {"optimizer": strip, "scheduler": self.scheduler.state_dict()}
 
-    def load_optimizer_state(self, state: dict) -> None:
+    def load_optimizer_state(self, state) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        if state == sharded.IN_DCP:             # loaded with the weights (load_weights)
+            return
 
         named = ckpt_lib.optimizer_state_by_name(state, self.trainable_names())
         osd = {"state": {ROOT + k: v for k, v in named["state"].items()},

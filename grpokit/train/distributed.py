@@ -148,8 +148,13 @@ class DistContext:
     def step_seed(self, seed: int, step: int) -> int:
         """The sampling seed of this rank at `step`: derived from (seed, step, rank), so a resumed
         run at the same world size draws exactly what the uninterrupted one drew."""
-        digest = hashlib.sha256(f"{seed}:{step}:{self.rank}".encode()).digest()
-        return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+        return _seed_of(f"{seed}:{step}:{self.rank}")
+
+    def group_seeds(self, seed: int, step: int, first: int, prompts: int) -> list[int]:
+        """Sampling seeds of this rank's groups among `prompts` drawn at global position `first` of
+        `step`: each derived from (seed, step, the group's global position) alone, so a group draws
+        the same completions at any world size (exact resume 2 -> 1 -> 2)."""
+        return [_seed_of(f"{seed}:{step}:g{first + q}") for q in self.my_prompts(list(range(prompts)))]
 
     # ------------------------------------------------------------------ metrics
     def reduce_metrics(self, metrics: dict, agreed: set[str] = frozenset()) -> dict:
@@ -168,6 +173,11 @@ class DistContext:
             out[k] = sum(vals) if how == "sum" else max(vals) if how == "max" else min(vals) if how == "min" \
                 else sum(vals) / len(vals)
         return {**out, **rest}
+
+
+def _seed_of(key: str) -> int:
+    """A 63-bit seed from a string key (stable across processes and Python versions)."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") & ((1 << 63) - 1)
 
 
 SUMMED = ("loss/", "throughput/", "reward/nonfinite", "rollout/resampled", "filter/dropped")

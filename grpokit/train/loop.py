@@ -36,7 +36,7 @@ from grpokit.errors import ConfigError
 from grpokit.data.curriculum import Curriculum
 from grpokit.data.datasets import PromptSampler
 from grpokit.rewards.determinism import check_rows
-from grpokit.rollout.base import NonFiniteLogits, RolloutBatch, SamplingParams
+from grpokit.rollout.base import NonFiniteLogits, PromptStreams, RolloutBatch, SamplingParams
 from grpokit.rollout.registry import build_engine
 from grpokit.train import batch as batch_lib
 from grpokit.train.batch import Batch
@@ -169,8 +169,10 @@ class Trainer:
     def encode_prompts(self, idx: list[int]) -> list[list[int]]:
         return [self.encoder.encode(self.dataset[i]["prompt"]) for i in idx]
 
-    def sample(self, rows: list[dict]) -> RolloutBatch:
-        return self.engine.generate([self.encoder.encode(row["prompt"]) for row in rows], self.sampling_params(), self.gen)
+    def sample(self, rows: list[dict], streams: PromptStreams | None = None) -> RolloutBatch:
+        """Completions of `rows` from the trainer's generator, or one stream per prompt."""
+        return self.engine.generate([self.encoder.encode(row["prompt"]) for row in rows], self.sampling_params(),
+                                    self.gen if streams is None else streams)
 
     def score(self, batch: Batch) -> Batch:
         """Fill the batch's rewards: weighted totals (NaN = could not be scored) and each function's."""
@@ -207,10 +209,12 @@ class Trainer:
                 rows = [self.dataset[i] for i in idx]
             else:
                 idx = self.draw_prompts(P)
-                if self.dp is not None:               # this rank's whole groups of the global draw
-                    idx = self.dp.my_prompts(idx)
+                streams = None
+                if self.dp is not None:               # this rank's whole groups of the global draw,
+                    idx = self.dp.my_prompts(idx)     # each sampled from its own seeded stream
+                    streams = PromptStreams(self.dp.group_seeds(cfg.train.seed, self.step_idx, r * P, P))
                 rows = [self.dataset[i] for i in idx]
-                rb = self.sample(rows)
+                rb = self.sample(rows, streams)
             t_roll += time.perf_counter() - t
             if r == 0:
                 staleness = self._staleness(rb)

@@ -78,6 +78,8 @@ class RunDir:
         roll back to. Data-parallel: every rank calls it (the weights are gathered), rank 0 writes,
         and all return once the checkpoint is complete."""
         merged = self.cfg.lora.save == "merged"
+        if getattr(worker, "sharded_checkpoints", False):   # FSDP2: every rank writes its shards (DCP)
+            return self._save_sharded(step, worker, tokenizer, state, healthy=healthy)
         if not self.writer:
             worker.save_weights(None, merged=merged)       # its part of the gathering
             self._barrier()
@@ -88,6 +90,24 @@ class RunDir:
                                         save_weights=lambda d: worker.save_weights(d, merged=merged))
         self._barrier()
         return path
+
+    def _save_sharded(self, step: int, worker, tokenizer, state: dict, *, healthy: bool) -> Path:
+        """A sharded checkpoint: rank 0 makes the temporary folder, every rank writes its shards
+        into it (torch.distributed.checkpoint), then rank 0 adds the tokenizer and driver state,
+        the marker, and renames it into place. Every rank returns once it is complete."""
+        job = self.dist.gather(os.getpid())[0]            # one temporary folder name for the job
+        tmp = ckpt_lib.checkpoint_path(self.path, step).parent / f".tmp_step_{step:06d}_{job}"
+        if self.writer:
+            tmp = ckpt_lib.temp_checkpoint(self.path, step, job)
+        self._barrier()
+        worker.save_weights(tmp)
+        self._barrier()
+        if self.writer:
+            ckpt_lib.save_checkpoint(self.path, step, worker.model, tokenizer, state, tmp=tmp,
+                                     keep_last=self.cfg.train.keep_last, keep_healthy=self.cfg.train.keep_healthy,
+                                     healthy=healthy)
+        self._barrier()
+        return ckpt_lib.checkpoint_path(self.path, step)
 
     def event(self, row: dict) -> None:
         if not self.writer:

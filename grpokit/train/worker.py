@@ -30,6 +30,7 @@ from grpokit.train import forward as lean_forward
 from grpokit.train.batch import Batch
 from grpokit.train.guard import NonFiniteStep, diagnose
 from grpokit.train import checkpoint as ckpt_lib
+from grpokit.train import sharded
 from grpokit.train.lora import is_peft, merged_state_dict, save_policy
 from grpokit.train.logprobs import (MicroBatch, build_micro_batch, completion_logprobs, padded_logprobs,
                                     padding_fraction, plan_micro_batches, unwrap)
@@ -339,9 +340,12 @@ class LocalWorker:
         """Names of the optimizer's parameters, in its order."""
         return [n for n, p in self.model.named_parameters() if p.requires_grad]
 
-    def load_optimizer_state(self, state: dict) -> None:
+    def load_optimizer_state(self, state) -> None:
         """The optimizer's state, also from a data-parallel run's checkpoint (keyed by parameter
-        name; grpokit.train.checkpoint.optimizer_state_by_index)."""
+        name; grpokit.train.checkpoint.optimizer_state_by_index). A sharded checkpoint's is loaded
+        with its weights (`load_weights`)."""
+        if state == sharded.IN_DCP:
+            return
         self.optimizer.load_state_dict(ckpt_lib.optimizer_state_by_index(state, self.trainable_names()))
 
     def save_weights(self, path, *, merged: bool = False) -> None:
@@ -349,7 +353,13 @@ class LocalWorker:
         save_policy(self.model, path, merged=merged)
 
     def load_weights(self, ckpt) -> None:
-        """Load a checkpoint's policy weights in place."""
+        """Load a checkpoint's policy weights in place; from a sharded checkpoint (an FSDP2 run's,
+        any world size) the optimizer state too."""
+        if sharded.is_sharded(ckpt):
+            if is_peft(self.model):
+                raise ValueError(f"{ckpt} is a sharded full-model checkpoint; this run trains LoRA adapters")
+            sharded.load(ckpt, self.model, self.optimizer)
+            return
         ckpt_lib.load_weights(self.model, ckpt)
 
     def scale_lr(self, factor: float) -> None:

@@ -97,3 +97,31 @@ def test_unsupported_models_fall_back():
     model, tok = _model()
     model.config.hidden_act = "gelu"
     assert not LeanDecoder.supports(model)
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_prompt_streams_make_a_groups_samples_independent_of_its_batch(lean):
+    """With one stream per prompt (`PromptStreams`), a prompt's completions are the same whether it
+    is sampled alone or with others of different lengths, and in any position of the batch; with one
+    generator for the batch they are not. float64, so padding cannot change a draw."""
+    from grpokit.rollout.base import PromptStreams
+
+    model, tok = _model(eos_boost=2.0)
+    model = model.double()
+    ids = [tok(p)["input_ids"] for p in PROMPTS]
+    params = SamplingParams(n=4, max_new_tokens=10, temperature=1.0)
+    eng = HFEngine(model, tok, lean=lean)
+    seeds = [11, 22, 33, 44]
+    together = eng.generate(ids, params, PromptStreams(seeds))
+    assert len(set(together.finish_reason)) == 2               # rows finished at different steps
+    for j in (3, 1):
+        alone = eng.generate([ids[j]], params, PromptStreams([seeds[j]]))
+        rows = slice(4 * j, 4 * j + 4)
+        assert alone.completions == together.completions[rows]
+        torch.testing.assert_close(alone.sampler_logprobs, together.sampler_logprobs[rows, :alone.sampler_logprobs.shape[1]])
+    reordered = eng.generate([ids[2], ids[0]], params, PromptStreams([seeds[2], seeds[0]]))
+    assert reordered.completions == together.completions[8:12] + together.completions[0:4]
+    shared = [eng.generate([ids[j]], params, torch.Generator().manual_seed(5)).completions for j in range(4)]
+    assert sum(shared, []) != eng.generate(ids, params, torch.Generator().manual_seed(5)).completions
+    with pytest.raises(ValueError, match="2 prompt streams for 4 prompts"):
+        eng.generate(ids, params, PromptStreams([1, 2]))
