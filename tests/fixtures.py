@@ -50,3 +50,10 @@ if "test_varied" not in REGISTRY:
     def test_varied(prompts, completions, **columns):
         """A reward with variance even for a random model: digits in the completion, mod 3."""
         return [float(sum(ch.isdigit() for ch in c) % 3) for c in completions]
+
+if "test_text_length" not in REGISTRY:
+    @register("test_text_length")
+    def test_text_length(prompts, completions, **columns):
+        """A reward with variance for any random model and vocabulary: the completion's length in
+        characters, mod 5 (a digit-based reward is constant for a model that writes no digits)."""
+        return [float(len(c) % 5) for c in completions]

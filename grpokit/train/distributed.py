@@ -209,7 +209,7 @@ def init(cfg) -> DistContext | None:
     check_config(cfg, world)
     import torch.distributed as dist
 
-    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available() and cfg.model.device != "cpu"
     if cuda:
         torch.cuda.set_device(local)           # "cuda" then means this rank's GPU when the model loads

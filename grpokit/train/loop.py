@@ -441,7 +441,7 @@ class Trainer:
         if not (resume and self.resume()):
             self.start_fresh()
         last: dict = {}
-        started = self.clock()
+        started = self.clock() if cfg.train.max_minutes else 0.0
         while self.step_idx < cfg.train.steps:
             metrics = self.step()
             self.step_idx += 1

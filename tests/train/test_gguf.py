@@ -159,8 +159,8 @@ def test_a_run_from_a_gguf_file_saves_plain_checkpoints(tiny_file, cache, tmp_pa
             "rollout.batch_size": 8, "rollout.max_new_tokens": 4, "rollout.temperature": 1.0, "optim.lr": 1e-2,
             "train.steps": 1, "train.progress": False, "monitor.sinks": "[jsonl]", "train.sample_every": 0,
             "train.batch_advice": False, "train.check_rewards": False, "algorithm.kl.beta": 0.0,
-            "rewards": "[{name: test_varied}]"}
-    import tests.fixtures  # noqa: F401  (registers test_varied)
+            "rewards": "[{name: test_text_length}]"}
+    import tests.fixtures  # noqa: F401  (registers test_text_length)
     trainer = build_trainer(load_config(None, [f"{k}={v}" for k, v in over.items()]), health=False)
     trainer.train()
     ckpt = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))[-1]

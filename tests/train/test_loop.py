@@ -135,8 +135,8 @@ def test_mask_truncated_takes_truncated_rows_out_of_the_loss(setup):
         G = cfg.rollout.group_size
         sample, update, seen = tr.sample, tr.worker.train_step, []
 
-        def sample_two_groups_truncated(rows):
-            batch = sample(rows)
+        def sample_two_groups_truncated(rows, *streams):
+            batch = sample(rows, *streams)
             batch.finish_reason = ["length" if i < 2 * G else "eos" for i in range(len(batch))]
             return batch
 
