@@ -168,7 +168,14 @@ class DataParallelWorker(LocalWorker):
         out = super().train_step(batch, beta, step=step)
         out["memory/train_state_mb"] = self.train_state_bytes() / 2**20
         causes = out.pop("guard/causes")
-        out = self.ctx.reduce_metrics(out)
+        # token-weighted means (entropy, KL, clip fractions) over the job's tokens, the per-completion
+        # KL over its completions: from the ranks' sums, as one process computes them
+        every = self.ctx.gather(self.last_sums)
+        total = {k: sum(d.get(k, 0.0) for d in every) for k in dict.fromkeys(k for d in every for k in d)}
+        exact = {k: v / max(total["tokens"], 1) for k, v in total.items() if k not in ("tokens", "seqs", "kl_sum")}
+        if "kl/ref_seq" in out:
+            exact["kl/ref_seq"] = total["kl_sum"] / max(total["seqs"], 1)
+        out = self.ctx.reduce_metrics({**out, **exact}, agreed=set(exact))
         out["guard/causes"] = causes
         return out
 

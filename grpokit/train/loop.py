@@ -158,7 +158,7 @@ class Trainer:
                "throughput/tokens_per_s": float(batch.lengths.sum()) / max(m["time/step"], 1e-9),
                "memory/rss_mb": rss_mb()}
         # the worker's metrics are already the job's; the rest are reduced over ranks
-        return out if self.dp is None else self.dp.reduce_metrics(out, agreed=set(upd))
+        return out if self.dp is None else self.dp.reduce_metrics(out, agreed=set(upd) | set(self.batch_keys))
 
     def sampling_params(self) -> SamplingParams:
         r = self.cfg.rollout
@@ -295,20 +295,36 @@ class Trainer:
             self.engine.update_weights(self.worker.export_weights(),
                                        version=self.step_idx + 1 if version is None else version)
 
+    batch_keys = ("reward/mean", "reward/std", "reward/pass_rate", "completion/length_mean", "completion/length_max",
+                  "completion/clipped_ratio", "advantage/mean", "advantage/std", "group/frac_zero_std",
+                  "reward/nonfinite", "rollout/resampled")
+
     def batch_metrics(self, batch: Batch, adv: torch.Tensor, adv_stats: dict) -> dict[str, float]:
-        lengths, rewards = batch.lengths.float(), batch.rewards
-        finite = rewards[torch.isfinite(rewards)]
+        """Statistics of the step's batch; in a data-parallel job of the whole batch over ranks (the
+        ranks' rewards, lengths and advantages gathered: a few numbers per completion)."""
         ok = passed(batch, self.cfg.rewards[0].name, self.cfg.algorithm.pass_threshold)
+        n_groups = len(torch.unique(batch.group_id))
+        part = {"lengths": batch.lengths.float().tolist(), "rewards": batch.rewards.tolist(), "ok": [bool(x) for x in ok],
+                "length_stop": [f == "length" for f in batch.finish_reason], "adv": adv.tolist(),
+                "zero_groups": float(adv_stats.get("frac_zero_std", float("nan"))) * n_groups, "groups": n_groups,
+                "nonfinite": float(adv_stats.get("num_nonfinite", 0)), "resampled": float(batch.resampled)}
+        parts = [part] if self.dp is None else self.dp.gather(part)
+        cat = {k: sum((p[k] for p in parts), []) for k in ("lengths", "rewards", "ok", "length_stop", "adv")}
+        lengths = torch.tensor(cat["lengths"])
+        rewards = torch.tensor(cat["rewards"], dtype=batch.rewards.dtype)
+        advs = torch.tensor(cat["adv"], dtype=adv.dtype)
+        finite = rewards[torch.isfinite(rewards)]
+        groups = sum(p["groups"] for p in parts)
         return {
             "reward/mean": float(finite.mean()) if len(finite) else float("nan"),
             "reward/std": float(finite.std()) if len(finite) > 1 else 0.0,
-            "reward/pass_rate": sum(ok) / len(ok),
+            "reward/pass_rate": sum(cat["ok"]) / len(cat["ok"]),
             "completion/length_mean": float(lengths.mean()), "completion/length_max": float(lengths.max()),
-            "completion/clipped_ratio": sum(f == "length" for f in batch.finish_reason) / len(batch),
-            "advantage/mean": float(adv.mean()), "advantage/std": float(adv.std()),
-            "group/frac_zero_std": float(adv_stats.get("frac_zero_std", float("nan"))),
-            "reward/nonfinite": float(adv_stats.get("num_nonfinite", 0)),
-            "rollout/resampled": float(batch.resampled),
+            "completion/clipped_ratio": sum(cat["length_stop"]) / len(cat["length_stop"]),
+            "advantage/mean": float(advs.mean()), "advantage/std": float(advs.std()),
+            "group/frac_zero_std": sum(p["zero_groups"] for p in parts) / max(groups, 1),
+            "reward/nonfinite": sum(p["nonfinite"] for p in parts),
+            "rollout/resampled": sum(p["resampled"] for p in parts),
         }
 
     # ------------------------------------------------------------------ guard

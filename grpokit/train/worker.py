@@ -194,6 +194,8 @@ class LocalWorker:
                 pads.append(padding_fraction(mbs) if mbs else 0.0)
         out = {k: float(np.mean(v)) for k, v in losses.items()}
         out.update({k: v / max(n_tok_seen, 1) for k, v in tok_sums.items()})
+        # the sums behind the token- and sequence-weighted means (a data-parallel worker combines them)
+        self.last_sums = {"tokens": float(n_tok_seen), "seqs": float(n_seq_seen), "kl_sum": kl_sum, **tok_sums}
         out["policy/ratio_max"] = ratio_max
         if "kl/ref" in out:                          # KL of a whole completion, averaged over completions
             out["kl/ref_seq"] = kl_sum / max(n_seq_seen, 1)

@@ -129,7 +129,8 @@ def conformance(out: Path) -> None:
                 return shard_groups(fixed_batch(worker_tok), ctx.rank, ctx.world)
 
             worker_tok = tiny_policy()[1]
-            check_worker(make_worker, make_batch)
+            import torch.distributed as dist
+            check_worker(make_worker, make_batch, folder=out / f"checkpoint_{mode}", barrier=dist.barrier)
             (out / f"rank{ctx.rank}_{mode}.ok").write_text("ok")
     finally:
         distributed.shutdown()

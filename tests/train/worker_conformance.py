@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import math
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -54,19 +56,26 @@ def check_train_step(worker, batch) -> dict:
     return m
 
 
-def check_state_round_trip(make_worker, make_batch) -> None:
-    """A worker restored from another's state (and weights) continues identically."""
+def check_state_round_trip(make_worker, make_batch, folder=None, barrier=None) -> None:
+    """A worker restored through the checkpoint protocol (`save_weights` + `state_dict`, then
+    `load_weights` + `load_state_dict` on a fresh one) continues identically. `folder`: where the
+    weights go (the same on every rank of a job); `barrier`: waits for every rank's writing."""
+    folder = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="worker_ckpt_"))
     a = make_worker()
     batch = make_batch(a)
     a.train_step(_with_advantages(batch), 0.0)
+    a.save_weights(folder)
+    state = copy.deepcopy(a.state_dict())             # as through a checkpoint: no tensor shared
+    if barrier is not None:
+        barrier()
     b = make_worker()
-    b.load_state_dict(copy.deepcopy(a.state_dict()))    # as through a checkpoint: no tensor shared
-    with torch.no_grad():
-        src = dict(a.export_weights())
-        for n, p in b.model.named_parameters():
-            if p.requires_grad:
-                p.copy_(dict(a.model.named_parameters())[n])    # shard to shard under FSDP2
-    assert {n: t.float() for n, t in b.export_weights()}.keys() == src.keys()
+    b.load_weights(folder)
+    b.load_state_dict(state)
+    src = {n: t.float() for n, t in a.export_weights()}
+    got = {n: t.float() for n, t in b.export_weights()}
+    assert got.keys() == src.keys()
+    for n in src:
+        assert torch.equal(got[n], src[n]), n
     a.train_step(_with_advantages(make_batch(a)), 0.0)
     b.train_step(_with_advantages(make_batch(b)), 0.0)
     wa, wb = _weights(a), _weights(b)
@@ -111,7 +120,7 @@ def check_nonfinite_guard(make_worker, make_batch) -> None:
         assert torch.equal(torch.nan_to_num(before[n], nan=7.0), torch.nan_to_num(after[n], nan=7.0)), n
 
 
-def check_worker(make_worker, make_batch) -> None:
+def check_worker(make_worker, make_batch, folder=None, barrier=None) -> None:
     w = make_worker()
     assert isinstance(w, TrainingWorker)
     batch = make_batch(w)
@@ -119,5 +128,5 @@ def check_worker(make_worker, make_batch) -> None:
     check_export_weights(w)
     check_train_step(w, batch)
     check_export_weights(w)
-    check_state_round_trip(make_worker, make_batch)
+    check_state_round_trip(make_worker, make_batch, folder, barrier)
     check_nonfinite_guard(make_worker, make_batch)
