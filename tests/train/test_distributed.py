@@ -1,7 +1,7 @@
 """Data-parallel training (DDP, FSDP2) on 2 CPU processes with gloo, launched by torchrun.
 
-Every multi-process run is marked `slow` and `distributed` (`make test-dist`; `make test` leaves them
-out: together they take minutes on 2 cores): 2 processes on a global batch give the loss and
+Every multi-process run is marked `slow` and `distributed` (in `make test`; `make test-dist` runs them
+alone, about 3 minutes on 2 cores): 2 processes on a global batch give the loss and
 gradient of one process on it (DDP and FSDP2, token- and sequence-level aggregation); the DDP and
 FSDP2 workers pass the reusable worker checks; ranks with different configs are refused; a rank
 whose groups are all filtered does not hang the job; resume at 2 and at 1 process; a rank killed
