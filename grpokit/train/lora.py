@@ -217,6 +217,22 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
+
+def merged_copy(model):
+    """A plain transformers model of a PEFT model's base architecture holding its merged weights,
+    built out of place (the adapters stay), on the model's device."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(model.get_base_model().config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    merged = merged_state_dict(model)
+    plain = AutoModelForCausalLM.from_config(config, dtype=next(iter(merged.values())).dtype)
+    plain.load_state_dict(merged, strict=False)        # a tied LM head is not in the merged dict
+    return plain.to(next(model.parameters()).device)
+
 def save_merged(model, path: Path) -> None:
     """Adapters merged into the base, saved as a plain HF model directory (no peft needed to load)."""
     from safetensors.torch import save_file
