@@ -58,12 +58,15 @@ class RolloutEngine(Protocol):
     every optimizer step with full, Hugging Face-named tensors, and whose numerics may differ
     from the trainer's (the driver then recomputes pi_old and corrects with importance weights,
     docs/algorithms.md). `release_memory` / `resume_memory` free and restore what the engine
-    holds between rollouts (a colocated engine's KV cache); no-ops where there is nothing."""
+    holds between rollouts (a colocated engine's KV cache); no-ops where there is nothing.
+
+    `generate`'s `generator` is one stream for the batch, or (in a data-parallel job) a
+    `PromptStreams` with one stream per prompt, from which prompt j's rows must draw alone."""
 
     owns_weights: bool
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
-                 generator: torch.Generator | None = None) -> RolloutBatch: ...
+                 generator: torch.Generator | PromptStreams | None = None) -> RolloutBatch: ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None: ...
 
