@@ -280,6 +280,30 @@ def equal_alt(pred: str, ref: str) -> bool:
     return _equal(pred, ref)
 
 
+def _as_number(s: str) -> str | None:
+    """"int", "real" or "ratio" when `s`, stripped, is one number written out; else None."""
+    t, _ = _strip(s)
+    t = re.sub(r"\\frac\s*\{\s*([+-]?\d+)\s*\}\s*\{\s*([+-]?\d+)\s*\}", r"\1/\2", t.replace("$", "").strip())
+    t = re.sub(r"(?<=\d)\s+[A-Za-z]+$", "", t).replace(" ", "")
+    while t[:1] == "{" and t[-1:] == "}":
+        t = t[1:-1]
+    if re.fullmatch(r"[+-]?\d+", t):
+        return "int"
+    if re.fullmatch(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?", t):
+        return "real"
+    return "ratio" if re.fullmatch(r"[+-]?\d+/[+-]?\d+", t) else None
+
+
+def unevaluated_alt(pred: str, ref: str) -> bool:
+    """The reference is one number and the answer is not written as one; an integer reference
+    takes no fraction (this checker's own reading of `strict_numbers`)."""
+    want = _as_number(ref)
+    if want is None:
+        return False
+    got = _as_number(pred)
+    return got is None or (got == "ratio" and want == "int")
+
+
 def reference_alt(ref) -> str:
     s = str(ref).strip()
     if "####" in s:

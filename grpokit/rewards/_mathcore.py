@@ -281,6 +281,46 @@ def squash(s: str) -> str:
     return s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
 
 
+# --------------------------------------------------------------------------- a number's form
+
+_DRESSING = re.compile(r"\\(?:text|mathrm|mbox|textbf|mathbf)\{[^{}]*\}|\^\{?\\circ\}?|\\?[%$]")
+_INT = r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)"
+_NUMBER_KINDS = (
+    ("int", re.compile(_INT)),
+    ("real", re.compile(r"[+-]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")),
+    ("real", re.compile(r"[+-]?\d+(?:\.\d+)?\\cdot10\^\{[+-]?\d+\}")),  # 1e3 as `normalize` writes it
+    ("ratio", re.compile(r"[+-]?(?:\\frac\{[+-]?\d+\}\{[+-]?\d+\}|\\frac\d\d|\d+/\d+)")),
+)
+
+
+def number_kind(ans: str) -> str | None:
+    """"int", "real" or "ratio" when `ans` is one number written out (after an "x =" and its
+    dressing: units in \\text{}, trailing words, degrees, percent, currency); None otherwise (an
+    expression, a symbol, a list)."""
+    s = squash(ans).rsplit("=", 1)[-1]
+    s = _DRESSING.sub("", s)
+    s = re.sub(r"(?<=[\d}])[A-Za-z]{2,}$", "", s)  # "8 apples" (squashed: "8apples"); not "2x"
+    while s[:1] == "{" and s[-1:] == "}":
+        s = s[1:-1]
+    for kind, pat in _NUMBER_KINDS:
+        if pat.fullmatch(s):
+            return kind
+    return None
+
+
+def unevaluated(ans: str, ref: str) -> bool:
+    """True when the reference is one number and the answer is not written as one: an expression
+    that evaluates to it (`21 + 14` for 35, `2^{10}` for 1024, `\\sqrt{16}` for 4) restates the
+    question instead of answering it, and is a cheap way to collect an equivalence checker's
+    reward. A fraction answers a decimal or fractional reference, not an integer one
+    (`\\frac{70}{2}` for 35)."""
+    want = number_kind(ref)
+    if want is None:
+        return False
+    got = number_kind(ans)
+    return got is None or (got == "ratio" and want == "int")
+
+
 # --------------------------------------------------------------------------- equivalence (worker)
 
 _parse_cache: dict[str, list] = {}

@@ -11,6 +11,10 @@ never equals a set.
 
 Equivalence is math-verify's (sympy underneath) after a light normalisation it lacks (unicode
 symbols, LaTeX thousands separators, "degrees"); an identical answer never leaves this process.
+A reference that is one number needs an answer written as one number (`strict_numbers`, on by
+default): math-verify evaluates `21 + 14` to 35, so a policy that copies the question into the box
+("What is 21 + 14?" -> `\\boxed{21 + 14}`) would otherwise collect the full reward; a GRPO run on
+a chat model found exactly that within 30 steps. `strict_numbers=False` restores plain equivalence.
 Every other comparison runs in a checker process with a hard time limit (default 1.5 s for the
 whole completion: a timer inside the checker stops most overruns at 70% of it, the parent kills
 the process at 100%), so `10^{10^{10^{10}}}` returns False within 2 s; a timeout scores 0, never
@@ -103,9 +107,11 @@ def _set_vs_ordered(ans: str, ref: str) -> bool:
     return {_bracket_kind(ans), _bracket_kind(ref)} == {"set", "ordered"}
 
 
-def judge(completion: str, reference, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool | None:
+def judge(completion: str, reference, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+          strict_numbers: bool = True) -> bool | None:
     """True / False; None when the sample cannot be scored (no reference, checker unavailable).
-    Never raises; returns within about `timeout_s`."""
+    Never raises; returns within about `timeout_s`. `strict_numbers`: a reference that is one
+    number needs an answer written as one number (`_mathcore.unevaluated`)."""
     deadline = time.monotonic() + timeout_s
     try:
         if reference is None:
@@ -129,6 +135,8 @@ def judge(completion: str, reference, *, timeout_s: float = DEFAULT_TIMEOUT_S) -
                 ans = _DISJ.sub(",", ans)
             if core.squash(ans) == core.squash(ref):
                 continue
+            if strict_numbers and core.unevaluated(ans, ref):
+                return False
             if _set_vs_ordered(ans, ref):
                 return False
             ok = _check("verify", ans, ref, deadline)
@@ -139,14 +147,17 @@ def judge(completion: str, reference, *, timeout_s: float = DEFAULT_TIMEOUT_S) -
         return False
 
 
-def verify(completion: str, reference: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+def verify(completion: str, reference: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+           strict_numbers: bool = True) -> bool:
     """Is the final answer of `completion` equivalent to `reference`? Never raises; hard time
     limit `timeout_s` (False when exceeded)."""
-    return judge(completion, reference, timeout_s=timeout_s) is True
+    return judge(completion, reference, timeout_s=timeout_s, strict_numbers=strict_numbers) is True
 
 
-def judge_alt(completion: str, reference, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool | None:
-    """The independent path: last box / answer line / last number, then sympy-only equivalence."""
+def judge_alt(completion: str, reference, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+              strict_numbers: bool = True) -> bool | None:
+    """The independent path: last box / answer line / last number, then sympy-only equivalence
+    (and its own reading of `strict_numbers`: `_mathalt.unevaluated_alt`)."""
     deadline = time.monotonic() + timeout_s
     try:
         if reference is None:
@@ -159,14 +170,16 @@ def judge_alt(completion: str, reference, *, timeout_s: float = DEFAULT_TIMEOUT_
             return False
         if pred.replace(" ", "") == ref.replace(" ", ""):
             return True
+        if strict_numbers and alt.unevaluated_alt(pred, ref):
+            return False
         return _check("alt", pred, ref, deadline)
     except Exception:  # noqa: BLE001
         return False
 
 
-def _batch(fn, completions, refs, timeout_s) -> list[float | None]:
+def _batch(fn, completions, refs, timeout_s, strict_numbers) -> list[float | None]:
     items = list(zip(completions, refs))
-    work = lambda cr: fn(cr[0], cr[1], timeout_s=timeout_s)  # noqa: E731
+    work = lambda cr: fn(cr[0], cr[1], timeout_s=timeout_s, strict_numbers=strict_numbers)  # noqa: E731
     if len(items) <= 1:
         res = [work(it) for it in items]
     else:
@@ -177,15 +190,19 @@ def _batch(fn, completions, refs, timeout_s) -> list[float | None]:
 
 @register("math_accuracy", own_time_limit=True, columns=["{answer_column}"])
 def math_accuracy(prompts, completions, *, answer_column: str = "answer",
-                  timeout_s: float = DEFAULT_TIMEOUT_S, **columns) -> list[float | None]:
-    """1.0 if the completion's final answer is equivalent to the reference, else 0.0."""
+                  timeout_s: float = DEFAULT_TIMEOUT_S, strict_numbers: bool = True,
+                  **columns) -> list[float | None]:
+    """1.0 if the completion's final answer is equivalent to the reference, else 0.0.
+    `strict_numbers` (default): when the reference is one number, so must the answer be, not an
+    expression that evaluates to it (`\\boxed{21 + 14}` for "What is 21 + 14?" scores 0)."""
     refs = read_column("math_accuracy", answer_column, columns, len(completions))
-    return _batch(judge, completions, refs, timeout_s)
+    return _batch(judge, completions, refs, timeout_s, strict_numbers)
 
 
 @register("math_accuracy_alt", own_time_limit=True, columns=["{answer_column}"])
 def math_accuracy_alt(prompts, completions, *, answer_column: str = "answer",
-                      timeout_s: float = DEFAULT_TIMEOUT_S, **columns) -> list[float | None]:
+                      timeout_s: float = DEFAULT_TIMEOUT_S, strict_numbers: bool = True,
+                      **columns) -> list[float | None]:
     """Independent second checker for `CrossCheck` (see the module docstring)."""
     refs = read_column("math_accuracy_alt", answer_column, columns, len(completions))
-    return _batch(judge_alt, completions, refs, timeout_s)
+    return _batch(judge_alt, completions, refs, timeout_s, strict_numbers)

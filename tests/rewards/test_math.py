@@ -70,8 +70,6 @@ CASES = [
     (r"\boxed{0.3333333}", r"\frac{1}{3}", T, "decimal to 6 places matches 1/3"),
     (r"\boxed{1.50}", "1.5", T, "trailing zero"),
     (r"\boxed{.5}", "0.5", T, "leading dot"),
-    (r"\boxed{2^{10}}", "1024", T, "power evaluated"),
-    (r"\boxed{\sqrt{16}}", "4", T, "sqrt evaluated"),
     (r"\boxed{\frac{6}{8}}", r"\frac{3}{4}", T, "unreduced fraction"),
     (r"\boxed{-\frac{1}{2}}", r"\frac{-1}{2}", T, "sign placement"),
     (r"\boxed{3\pi}", r"3 \pi", T, "spacing before pi"),
@@ -79,8 +77,6 @@ CASES = [
     (r"\boxed{2\sqrt{2}}", r"\sqrt{8}", T, "simplified radical"),
     (r"\boxed{\frac{1}{\sqrt{2}}}", r"\frac{\sqrt{2}}{2}", T, "rationalised denominator"),
     (r"\boxed{1e3}", "1000", T, "scientific notation"),
-    (r"\boxed{10^3}", "1000", T, "power of ten"),
-    (r"\boxed{e^{0}}", "1", T, "e^0"),
     (r"\boxed{\infty}", r"\infty", T, "infinity"),
     (r"\boxed{-7}", "-7", T, "negative integer"),
     (r"\boxed{3+4i}", "3+4i", T, "complex number"),
@@ -104,7 +100,6 @@ CASES = [
     (r"\boxed{x^2-1}", "(x-1)(x+1)", T, "factored form"),
     (r"\boxed{\frac{x}{2}}", "0.5x", T, "symbolic coefficient"),
     (r"\boxed{2(a+b)}", "2a+2b", T, "distributed"),
-    (r"\boxed{\sin^2 x + \cos^2 x}", "1", T, "trig identity"),
     # ---- equivalence: tuples, intervals, sets
     (r"\boxed{(1, 2)}", "(1,2)", T, "tuple spacing"),
     (r"\boxed{(2,3)}", r"\left(2, 3\right)", T, "tuple with \\left/\\right"),
@@ -209,6 +204,20 @@ CASES = [
     (r"\boxed{C}. The answer is C because the other options fail.", "C", T, "a choice letter with its reason"),
     ("The answer is therefore 4.", "4", T, "a filler word before the value of a statement without a box"),
     ("The answer is (B).", "B", T, "a choice letter in parentheses is the letter"),
+    # ---- false: a numeric reference answered by an expression that evaluates to it (strict_numbers)
+    (r"\boxed{21 + 14}", "35", F, "the question's own sum copied into the box"),
+    ("What is 21 + 14? The answer is 21 + 14.", "35", F, "the question restated after 'answer is'"),
+    (r"\boxed{2^{10}}", "1024", F, "an unevaluated power"),
+    (r"\boxed{\sqrt{16}}", "4", F, "an unevaluated root"),
+    (r"\boxed{10^3}", "1000", F, "a power of ten for an integer"),
+    (r"\boxed{e^{0}}", "1", F, "e^0 for 1"),
+    (r"\boxed{\sin^2 x + \cos^2 x}", "1", F, "an identity for 1"),
+    (r"\boxed{\frac{70}{2}}", "35", F, "a fraction for an integer"),
+    (r"\boxed{7 \times 5}", "35", F, "an unevaluated product"),
+    (r"\boxed{0 - 5}", "-5", F, "a difference for a negative number"),
+    (r"\boxed{21 + 14 = 35}", "35", T, "a worked sum that ends in the value"),
+    (r"\boxed{35.0}", "35", T, "a decimal for an integer is still one number"),
+    (r"\boxed{\{35\}}", "35", F, "a set is not the number"),
     # ---- false: extraction failures and junk
     ("", "5", F, "empty completion"),
     ("I don't know.", "5", F, "no answer at all"),
@@ -224,6 +233,40 @@ CASES = [
     ("answer: " + "9" * 3000, "9", F, "absurdly long answer rejected"),
     ("The answer is 5.", None, None, "no reference: cannot be scored"),
 ]
+
+
+# Equivalence alone (strict_numbers=False): what the cases above refuse as unevaluated is equal.
+EQUIVALENT_ONLY = [
+    (r"\boxed{21 + 14}", "35"), (r"\boxed{2^{10}}", "1024"), (r"\boxed{\sqrt{16}}", "4"), (r"\boxed{10^3}", "1000"),
+    (r"\boxed{e^{0}}", "1"), (r"\boxed{\sin^2 x + \cos^2 x}", "1"), (r"\boxed{\frac{70}{2}}", "35"),
+    (r"\boxed{7 \times 5}", "35"),
+]
+
+
+@pytest.mark.parametrize("completion,reference", EQUIVALENT_ONLY)
+def test_strict_numbers_off_is_plain_equivalence(completion, reference):
+    assert verify(completion, reference) is False
+    assert verify(completion, reference, strict_numbers=False) is True
+
+
+@pytest.mark.parametrize("completion,reference,alt_equal", [
+    (r"\boxed{21 + 14}", "35", True), (r"\boxed{2^{10}}", "1024", True), (r"\boxed{\frac{70}{2}}", "35", True),
+    (r"\boxed{7 \times 5}", "35", True), (r"\boxed{\sqrt{16}}", "4", True)])
+def test_the_second_checker_refuses_unevaluated_numbers_by_its_own_reading(completion, reference, alt_equal):
+    assert judge_alt(completion, reference) is False
+    assert judge_alt(completion, reference, strict_numbers=False) is alt_equal
+    assert judge_alt(r"\boxed{35}", "35") is True and judge_alt(r"\boxed{\frac{1}{2}}", "0.5") is True
+
+
+def test_strict_numbers_is_a_reward_argument_from_config():
+    from grpokit.config import load_config
+    from grpokit.rewards import RewardSet
+
+    for args, expected in (("{}", [0.0, 1.0]), ("{strict_numbers: false}", [1.0, 1.0])):
+        cfg = load_config(None, [f"rewards=[{{name: math_accuracy, args: {args}}}]"])
+        rs = RewardSet.from_specs([r.model_dump() for r in cfg.rewards])
+        out = rs.score(["What is 21 + 14?"] * 2, [r"\boxed{21 + 14}", r"\boxed{35}"], {"answer": ["35", "35"]})
+        assert out.per_fn["math_accuracy"] == expected, args
 
 
 @pytest.mark.parametrize("completion,reference,expected,reason", CASES, ids=[c[3][:60] for c in CASES])
@@ -250,7 +293,7 @@ def test_pathological_input_returns_false_within_two_seconds():
         # not identical text, so it really goes to a checker
         assert verify(r"\boxed{1.0}", "1") is True
         t0 = time.monotonic()
-        assert verify(bomb, "7") is False
+        assert verify(bomb, "7", strict_numbers=False) is False  # not refused by its form: timed
         assert time.monotonic() - t0 < under_load(2.0), bomb
     assert verify(r"\boxed{2.0}", "2") is True  # and the pool recovered
 
@@ -396,7 +439,7 @@ def test_a_batch_of_pathological_answers_scores_zero_not_none_under_the_default_
     assert verify(r"\boxed{1.0}", "1") is True  # a checker is up (start-up is not the point here)
     bombs = [r"\boxed{10^{10^{10^{10}}}}", r"\boxed{9^{9^{9^{9^{9}}}}}", r"\boxed{(10^{10^{8}})!}",
              r"\boxed{10^{10^{10^{10}}}+1}"]
-    cfg = load_config(None, ["rewards=[{name: math_accuracy, args: {timeout_s: 0.6}}]"])
+    cfg = load_config(None, ["rewards=[{name: math_accuracy, args: {timeout_s: 0.6, strict_numbers: false}}]"])
     rs = RewardSet.from_specs([r.model_dump() for r in cfg.rewards])  # as the trainer builds it
     t0 = time.monotonic()
     out = rs.score(["p"] * 4, bombs, {"answer": ["7"] * 4})
