@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
+from grpokit.config import load_config
 from grpokit.tasks.arithmetic import ArithmeticTask
 from grpokit.tasks.tiny import build_char_tokenizer, build_tiny_model, save_pretrained
 
@@ -41,6 +44,27 @@ def small_overrides(model_dir: Path, train: Path, run_dir: Path, **extra) -> lis
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
+
+
+def varied_trainer(setup: tuple[Path, Path, Path, Path], name: str, **extra):
+    """A trainer over `setup` (tiny_run_inputs) writing to `root/name`: lr 1e-2 on the `test_varied`
+    reward (so groups carry signal), torch seeded, no health monitor."""
+    from grpokit.train import build_trainer
+
+    root, model_dir, train, _ = setup
+    cfg = load_config(None, small_overrides(model_dir, train, root / name, **{
+        "optim.lr": 1e-2, "rewards": "[{name: test_varied}]", **extra}))
+    torch.manual_seed(0)
+    return build_trainer(cfg, health=False)
+
+
+def greedy_outputs(engine, trainer, n: int = 6):
+    """Greedy completions and sampler log-probs of `engine` on the first `n` training prompts."""
+    from grpokit.rollout.base import SamplingParams
+
+    ids = [trainer.encoder.encode(trainer.dataset[i]["prompt"]) for i in range(n)]
+    out = engine.generate(ids, SamplingParams(n=1, max_new_tokens=6, temperature=0.0))
+    return out.completion_ids, out.sampler_logprobs
 
 
 from grpokit.rewards import REGISTRY, register  # noqa: E402

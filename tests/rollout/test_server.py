@@ -21,14 +21,13 @@ import torch
 from grpokit import cli
 from grpokit.config import load_config
 from grpokit.rollout import wire
-from grpokit.rollout.base import SamplingParams
 from grpokit.rollout.client import RolloutServerError, ServerEngine
 from grpokit.rollout.hf import HFEngine
 from grpokit.rollout.server import RolloutService, make_server, tensor_checksum
 from grpokit.train import build_trainer
 from grpokit.train import checkpoint as ckpt_lib
 from grpokit.train.build import load_model, load_tokenizer
-from tests.fixtures import small_overrides, tiny_run_inputs
+from tests.fixtures import greedy_outputs, small_overrides, tiny_run_inputs, varied_trainer
 from tests.rollout.server_proc import ServerProcess
 
 
@@ -63,18 +62,8 @@ def free_port() -> int:
 
 
 def _trainer(setup, name, address, **extra):
-    root, model_dir, train, _ = setup
-    cfg = load_config(None, small_overrides(model_dir, train, root / name, **{
-        "rollout.engine": "server", "rollout.server": address, "optim.lr": 1e-2, "rewards": "[{name: test_varied}]",
-        "rollout.server_timeout_s": 60, "rollout.server_retries": 2, **extra}))
-    torch.manual_seed(0)
-    return build_trainer(cfg, health=False)
-
-
-def _greedy(engine, tr):
-    ids = [tr.encoder.encode(tr.dataset[i]["prompt"]) for i in range(6)]
-    out = engine.generate(ids, SamplingParams(n=1, max_new_tokens=6, temperature=0.0))
-    return out.completion_ids, out.sampler_logprobs
+    return varied_trainer(setup, name, **{"rollout.engine": "server", "rollout.server": address,
+                                          "rollout.server_timeout_s": 60, "rollout.server_retries": 2, **extra})
 
 
 def _checksums(tr) -> dict[str, str]:
@@ -213,8 +202,8 @@ def test_a_second_process_samples_exactly_as_the_trainer_after_a_step_and_a_sync
         after = tr.engine.checksums()
         assert after == _checksums(tr)                               # every tensor, bit for bit
         assert sum(after[n] != start[n] for n in after) >= len(after) // 2   # the step did move them
-        tok_s, lp_s = _greedy(tr.engine, tr)
-        tok_t, lp_t = _greedy(HFEngine(tr.model, tr.tokenizer), tr)
+        tok_s, lp_s = greedy_outputs(tr.engine, tr)
+        tok_t, lp_t = greedy_outputs(HFEngine(tr.model, tr.tokenizer), tr)
         assert torch.equal(tok_s, tok_t)
         torch.testing.assert_close(lp_s, lp_t, atol=1e-5, rtol=0)
         tr.engine.close()

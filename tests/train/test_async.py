@@ -10,12 +10,11 @@ import random
 import shutil
 
 import pytest
-import torch
 
 from grpokit.config import load_config
 from grpokit.errors import ConfigError
 from grpokit.train import build_trainer
-from tests.fixtures import small_overrides, tiny_run_inputs
+from tests.fixtures import small_overrides, tiny_run_inputs, varied_trainer
 from tests.rollout.server_proc import ServerProcess
 from tests.rollout.test_server import served
 
@@ -26,12 +25,8 @@ def setup(tmp_path_factory):
 
 
 def _trainer(setup, name, address, **extra):
-    root, model_dir, train, _ = setup
-    cfg = load_config(None, small_overrides(model_dir, train, root / name, **{
-        "rollout.engine": "server", "rollout.server": address, "optim.lr": 1e-2, "rewards": "[{name: test_varied}]",
-        "rollout.server_timeout_s": 60, "train.steps": 4, **extra}))
-    torch.manual_seed(0)
-    return build_trainer(cfg, health=False)
+    return varied_trainer(setup, name, **{"rollout.engine": "server", "rollout.server": address,
+                                          "rollout.server_timeout_s": 60, "train.steps": 4, **extra})
 
 
 def _record(tr, stop_after: int | None = None) -> list[dict]:

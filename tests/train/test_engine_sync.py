@@ -5,10 +5,8 @@ import pytest
 import torch
 
 from grpokit.config import load_config
-from grpokit.rollout.base import SamplingParams
 from grpokit.rollout.hf import HFEngine
-from grpokit.train import build_trainer
-from tests.fixtures import small_overrides, tiny_run_inputs
+from tests.fixtures import greedy_outputs, small_overrides, tiny_run_inputs, varied_trainer
 
 
 @pytest.fixture(scope="module")
@@ -17,17 +15,7 @@ def setup(tmp_path_factory):
 
 
 def _trainer(setup, name, **extra):
-    root, model_dir, train, _ = setup
-    cfg = load_config(None, small_overrides(model_dir, train, root / name, **{
-        "rollout.engine": "hf_copy", "optim.lr": 1e-2, "rewards": "[{name: test_varied}]", **extra}))
-    torch.manual_seed(0)
-    return build_trainer(cfg, health=False)
-
-
-def _greedy(engine, tr):
-    ids = [tr.encoder.encode(tr.dataset[i]["prompt"]) for i in range(6)]
-    out = engine.generate(ids, SamplingParams(n=1, max_new_tokens=6, temperature=0.0))
-    return out.completion_ids, out.sampler_logprobs
+    return varied_trainer(setup, name, **{"rollout.engine": "hf_copy", **extra})
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -40,8 +28,8 @@ def test_engine_with_its_own_weights_matches_the_trained_policy_after_sync(setup
     assert m["optim/grad_norm"] > 0
     # the step pushed its weights: greedy tokens and sampler log-probs equal the trained policy's
     policy_engine = HFEngine(tr.model, tr.tokenizer)
-    tok_e, lp_e = _greedy(tr.engine, tr)
-    tok_p, lp_p = _greedy(policy_engine, tr)
+    tok_e, lp_e = greedy_outputs(tr.engine, tr)
+    tok_p, lp_p = greedy_outputs(policy_engine, tr)
     assert torch.equal(tok_e, tok_p)
     torch.testing.assert_close(lp_e, lp_p, atol=1e-5, rtol=0)
     assert tr.engine.weights_version == 1
@@ -53,9 +41,9 @@ def test_engine_with_its_own_weights_matches_the_trained_policy_after_sync(setup
 def test_without_the_sync_the_engine_falls_behind(setup, monkeypatch):
     tr = _trainer(setup, "nosync")
     monkeypatch.setattr(tr, "sync_weights", lambda: None)
-    before = _greedy(tr.engine, tr)[1]
+    before = greedy_outputs(tr.engine, tr)[1]
     tr.step()
-    stale, fresh = _greedy(tr.engine, tr)[1], _greedy(HFEngine(tr.model, tr.tokenizer), tr)[1]
+    stale, fresh = greedy_outputs(tr.engine, tr)[1], greedy_outputs(HFEngine(tr.model, tr.tokenizer), tr)[1]
     assert torch.equal(stale, before)                                  # the engine's copy never moved
     assert float((stale - fresh).abs().max()) > 1e-4                   # while the policy did
 
