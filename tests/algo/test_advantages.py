@@ -1,4 +1,4 @@
-"""Tests for grpokit.algo.advantages: FORMULAS.md golden numbers, properties, hostile inputs."""
+"""Tests for grpokit.algo.advantages: the worked examples of docs/algorithms.md §7.1, properties, hostile inputs."""
 
 import math
 
@@ -24,13 +24,13 @@ def close(actual, expected, atol=1e-6):
 # ---------------------------------------------------------------------------------------------
 
 
-A = T([1.0, 0, 0, 1])  # FORMULAS group "A"
-B = T([1.0, 1, 1, 0])  # FORMULAS group "B"
+A = T([1.0, 0, 0, 1])  # worked group "A" (docs/algorithms.md §7.1)
+B = T([1.0, 1, 1, 0])  # worked group "B"
 AB = torch.cat([A, B])
 
 
 def test_grpo_bessel_golden():
-    # FORMULAS §1.9: A: mean 0.5, Bessel std 0.5773503 -> ±0.866025.
+    # docs/algorithms.md §7.1: A: mean 0.5, Bessel std 0.5773503 -> ±0.866025.
     # B: mean 0.75, Bessel std 0.5 -> [0.5, 0.5, 0.5, -1.5].
     s = 0.866025
     close(compute("grpo", AB, 4, eps=0.0), [s, -s, -s, s, 0.5, 0.5, 0.5, -1.5])
@@ -45,18 +45,18 @@ def test_grpo_bessel_golden():
 
 
 def test_grpo_pm1_rewards_same_as_01():
-    # FORMULAS §1.9: DAPO's ±1 reward [1,-1,-1,1] gives the same advantages as [1,0,0,1].
+    # docs/algorithms.md §7.1: DAPO's ±1 reward [1,-1,-1,1] gives the same advantages as [1,0,0,1].
     s = 0.866025
     close(compute("grpo", T([1.0, -1, -1, 1]), 4, eps=0.0), [s, -s, -s, s])
 
 
 def test_dr_grpo_golden():
-    # FORMULAS §3.5: A -> [0.5,-0.5,-0.5,0.5]; B -> [0.25,0.25,0.25,-0.75]
+    # docs/algorithms.md §7.1: A -> [0.5,-0.5,-0.5,0.5]; B -> [0.25,0.25,0.25,-0.75]
     close(compute("dr_grpo", AB, 4), [0.5, -0.5, -0.5, 0.5, 0.25, 0.25, 0.25, -0.75])
 
 
 def test_rloo_golden():
-    # FORMULAS §5.2: A -> ±2/3 ; B -> [1/3, 1/3, 1/3, -1]
+    # docs/algorithms.md §7.1: A -> ±2/3 ; B -> [1/3, 1/3, 1/3, -1]
     # e.g. first entry: 1 - mean(0,0,1) = 1 - 1/3 = 2/3.
     close(compute("rloo", AB, 4), [2 / 3, -2 / 3, -2 / 3, 2 / 3, 1 / 3, 1 / 3, 1 / 3, -1.0])
 
@@ -72,21 +72,21 @@ def test_sign_golden():
 
 
 def test_reinforce_pp_baseline_golden():
-    # FORMULAS §6.3: centred A' = [.5,-.5,-.5,.5,.25,.25,.25,-.75], batch Bessel std 0.5
+    # docs/algorithms.md §7.1: centred A' = [.5,-.5,-.5,.5,.25,.25,.25,-.75], batch Bessel std 0.5
     # -> [1,-1,-1,1,0.5,0.5,0.5,-1.5]  (OpenRLHF's biased variance would give 1.069045 ...)
     adv = compute("reinforce_pp_baseline", AB, 4, eps=0.0)
     close(adv, [1, -1, -1, 1, 0.5, 0.5, 0.5, -1.5])
 
 
 def test_batch_std_golden_trl():
-    # FORMULAS §6.3, TRL scale_rewards="batch": raw-reward Bessel std 0.517549, eps 1e-4
+    # docs/algorithms.md §7.1, TRL scale_rewards="batch": raw-reward Bessel std 0.517549, eps 1e-4
     # 0.5/0.517649 = 0.965905; 0.25/0.517649 = 0.482953; -0.75/0.517649 = -1.448858
     adv = compute("batch_std", AB, 4, eps=1e-4)
     close(adv, [0.965905, -0.965905, -0.965905, 0.965905, 0.482953, 0.482953, 0.482953, -1.448858])
 
 
 def test_opo_golden():
-    # FORMULAS §9.2: r=[1,0,0,1], |o|=[100,300,200,100]: b = 200/700 = 0.285714
+    # docs/algorithms.md §7.1: r=[1,0,0,1], |o|=[100,300,200,100]: b = 200/700 = 0.285714
     # A = [0.714286, -0.285714, -0.285714, 0.714286]
     adv = compute("opo", T([1.0, 0, 0, 1]), 4, lengths=T([100, 300, 200, 100]))
     close(adv, [0.714286, -0.285714, -0.285714, 0.714286])

@@ -1,4 +1,4 @@
-"""Tests for grpokit.algo.kl: FORMULAS.md §2.5 values and gradients, expected gradients on a
+"""Tests for grpokit.algo.kl: the worked values of docs/algorithms.md §7.2 and gradients, expected gradients on a
 categorical distribution, non-negativity, and hostile inputs."""
 
 import math
@@ -26,7 +26,7 @@ def value_and_grad(kind, logp=-1.0, ref=-1.5, **kw):
 @pytest.mark.parametrize(
     "kind, value, grad",
     [
-        # FORMULAS §2.5: log π_θ = −1, log π_ref = −1.5, log u = −0.5, u = 0.6065307
+        # docs/algorithms.md §7.2: log π_θ = −1, log π_ref = −1.5, log u = −0.5, u = 0.6065307
         ("k1", 0.5, 1.0),  # logp − ref
         ("k2", 0.125, 0.5),  # ½·0.5², d/dlogp = 0.5
         ("k3", 0.1065307, 0.3934693),  # e^{−0.5} + 0.5 − 1, d/dlogp = 1 − u
@@ -39,7 +39,7 @@ def test_single_token_golden(kind, value, grad):
 
 
 def test_k3_is_single_token_golden():
-    # FORMULAS §2.5: k3·ρ with ρ ≡ 1 (old = sg(logp)): value k3 = 0.1065307, gradient
+    # docs/algorithms.md §7.2: k3·ρ with ρ ≡ 1 (old = sg(logp)): value k3 = 0.1065307, gradient
     # ρ(k3 + 1 − u) = 0.1065307 + 0.3934693 = 0.5 (= −log u, the k2 gradient).
     v, g = value_and_grad("k3_is", old_logp=T([-1.0], dtype=F64))
     assert v == pytest.approx(0.1065307, abs=1e-7)
@@ -56,7 +56,7 @@ def test_k3_is_needs_old_logp():
         estimate(T([-1.0]), T([-1.5]), "k3_is")
 
 
-# FORMULAS §2.5 categorical check: π_θ = softmax(0,0,0), π_ref = [0.5, 0.3, 0.2]
+# docs/algorithms.md §7.2 categorical check: π_θ = softmax(0,0,0), π_ref = [0.5, 0.3, 0.2]
 REVERSE_KL_GRAD = [-0.158568, 0.011707, 0.146862]  # ∇_logits KL(π_θ‖π_ref)
 FORWARD_KL_GRAD = [-0.166667, 0.033333, 0.133333]  # ∇_logits KL(π_ref‖π_θ)
 
@@ -99,7 +99,7 @@ def test_reference_gradients_are_what_they_claim():
 
 
 def test_categorical_expected_values():
-    # FORMULAS §2.5: E[k1] = E[k3] = KL(π_θ‖π_ref) = 0.0702403; E[k2] = 0.0727409
+    # docs/algorithms.md §7.2: E[k1] = E[k3] = KL(π_θ‖π_ref) = 0.0702403; E[k2] = 0.0727409
     p = torch.full((3,), 1 / 3, dtype=F64)
     logp, ref = p.log(), torch.log(T([0.5, 0.3, 0.2], dtype=F64))
     expect = {"k1": 0.0702403, "k3": 0.0702403, "k2": 0.0727409}
@@ -158,7 +158,7 @@ def test_bad_arguments():
 
 
 def test_kl_in_reward_golden_and_detached():
-    # FORMULAS §6.3: per-token k1 = [0.2, −0.1, 0.3] -> Σ = 0.4; with β = 0.1 and r = 1, the
+    # docs/algorithms.md §7.2: per-token k1 = [0.2, −0.1, 0.3] -> Σ = 0.4; with β = 0.1 and r = 1, the
     # sequence reward becomes 1 − 0.1·0.4 = 0.96. The second row is padded after 1 token and the
     # padding holds NaN, which must be ignored.
     logp = T([[-1.0, -2.0, -0.5], [-1.0, float("nan"), float("nan")]], requires_grad=True)

@@ -1,4 +1,4 @@
-"""Tests for grpokit.algo.loss: clipped surrogate tables (FORMULAS §4.8, §7.1, §7.2), aggregation
+"""Tests for grpokit.algo.loss: clipped surrogate tables (docs/algorithms.md §7.3), aggregation
 table (§3.5), micro-batch x accumulation invariance, clip-gradient properties, hostile inputs."""
 
 import math
@@ -27,7 +27,7 @@ def one_token(adv, rho, **kw):
     return loss.item(), logp.grad.item(), stats
 
 
-# FORMULAS §4.8: per-token clipped loss. Unclipped gradient d(−Aρ)/dlogp = −Aρ.
+# docs/algorithms.md §7.3: per-token clipped loss. Unclipped gradient d(−Aρ)/dlogp = −Aρ.
 @pytest.mark.parametrize(
     "adv, rho, eps_high, loss, grad, clipped",
     [
@@ -49,7 +49,7 @@ def test_clipped_loss_table(adv, rho, eps_high, loss, grad, clipped):
     assert stats["ratio_mean"] == pytest.approx(rho)
 
 
-# FORMULAS §7.2 dual clip, ε = 0.2, c = 3.
+# docs/algorithms.md §7.3 dual clip, ε = 0.2, c = 3.
 @pytest.mark.parametrize(
     "adv, rho, dual, loss, grad, frac",
     [
@@ -67,7 +67,7 @@ def test_dual_clip_table(adv, rho, dual, loss, grad, frac):
 
 
 def test_gspo_sequence_ratio():
-    # FORMULAS §7.1: token log-ratios [0.1, −0.2, 0.4] -> s = exp(mean) = e^{0.1} = 1.1051709.
+    # docs/algorithms.md §7.3: token log-ratios [0.1, −0.2, 0.4] -> s = exp(mean) = e^{0.1} = 1.1051709.
     # Clip (1 − 3e-4, 1 + 4e-4): with A = +1 s clips to 1.0004, the whole sequence gets no gradient.
     old = T([[-1.0, -2.0, -3.0]], dtype=F64)
     mask = torch.ones(1, 3, dtype=torch.bool)
@@ -114,7 +114,7 @@ def test_gspo_token_per_token_advantages():
     torch.testing.assert_close(logp.grad, T([[-s / 3, s / 3, -2 * s / 3]], dtype=F64))
 
 
-# FORMULAS §3.5: A = [+1, −1], lengths [2, 4], L_max = 4, ρ = 1 so l_{i,t} = −A_i.
+# docs/algorithms.md §7.3: A = [+1, −1], lengths [2, 4], L_max = 4, ρ = 1 so l_{i,t} = −A_i.
 # The gradient of the loss w.r.t. logp_{i,t} is −A_i · (per-token weight).
 AGG_TABLE = [
     # GRPO ½[(−2)/2 + 4/4] = 0; weights 1/(G|o_i|) = 1/4, 1/8
@@ -138,7 +138,7 @@ def test_aggregation_table(agg, value, grad):
 
 
 def test_grpo_single_token_objective_with_kl():
-    # FORMULAS §1.9: Â = 0.866025, logp = old = −1 (ρ = 1), ref = −1.5, β = 0.04:
+    # docs/algorithms.md §7.3: Â = 0.866025, logp = old = −1 (ρ = 1), ref = −1.5, β = 0.04:
     # k3 = 0.1065307, objective = 0.866025 − 0.04·0.1065307 = 0.8617638 -> loss −0.8617638
     logp = T([[-1.0]], dtype=F64, requires_grad=True)
     mask = torch.ones(1, 1, dtype=torch.bool)

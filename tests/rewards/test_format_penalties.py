@@ -73,7 +73,7 @@ def test_format_violation():
         call("format_violation", ["x"], format="xml")
 
 
-# --------------------------------------------------------------------------- soft overlong (FORMULAS §4.5)
+# --------------------------------------------------------------------------- soft overlong (DAPO Eq. 13; docs/rewards.md)
 
 
 @pytest.mark.parametrize("length,expected", [
