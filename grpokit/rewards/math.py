@@ -14,7 +14,7 @@ symbols, LaTeX thousands separators, "degrees"); an identical answer never leave
 A reference that is one number needs an answer written as one number (`strict_numbers`, on by
 default): math-verify evaluates `21 + 14` to 35, so a policy that copies the question into the box
 ("What is 21 + 14?" -> `\\boxed{21 + 14}`) would otherwise collect the full reward; a GRPO run on
-a chat model found exactly that within 30 steps. `strict_numbers=False` restores plain equivalence.
+a chat model found exactly that (docs/rewards.md, "A number needs a number"). `strict_numbers=False` restores plain equivalence.
 Every other comparison runs in a checker process with a hard time limit (default 1.5 s for the
 whole completion: a timer inside the checker stops most overruns at 70% of it, the parent kills
 the process at 100%), so `10^{10^{10^{10}}}` returns False within 2 s; a timeout scores 0, never

@@ -39,12 +39,16 @@ def workdir(tmp_path, monkeypatch):
     (tmp_path / "broken.py").write_text("def f(:\n")
     (tmp_path / "raises.py").write_text("raise RuntimeError('no GPU here')\n")
     monkeypatch.chdir(tmp_path)
-    registry, modules = dict(REGISTRY), set(sys.modules)
+    registry = dict(REGISTRY)
     yield tmp_path
     REGISTRY.clear()
     REGISTRY.update(registry)
-    for name in set(sys.modules) - modules:
-        del sys.modules[name]
+    # Forget the user modules imported from this directory only: dropping everything first imported
+    # during the test would also drop library modules (torch.distributed's register native ops once
+    # per process, and a re-import fails for every later test).
+    for name, mod in list(sys.modules.items()):
+        if str(getattr(mod, "__file__", None) or "").startswith(str(tmp_path)):
+            del sys.modules[name]
 
 
 def _score(rewards_override: str, completions: list[str], answers: list[str]):
