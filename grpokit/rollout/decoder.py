@@ -4,9 +4,13 @@ forward computes (RMSNorm, rotary embeddings, attention with grouped KV heads, S
 about a third of the tensor operations and none of the per-call Python machinery (mask builders,
 cache objects, output dataclasses), which is a large share of a decode step of a small model.
 
-`LeanDecoder.supports(model)` says whether a model qualifies (plain `nn.Linear` projections, default
-rotary embedding, full attention, SiLU MLP, no logit soft-capping); the engine falls back to the
-model's own forward otherwise (LoRA-wrapped or quantized layers, other architectures).
+`LeanDecoder.supports(model)` says whether a model qualifies (plain `nn.Linear` projections, or peft
+LoRA layers over them, default rotary embedding, full attention, SiLU MLP, no logit soft-capping);
+the engine falls back to the model's own forward otherwise (quantized layers, DoRA, other
+architectures). A LoRA policy decodes with its adapters folded into copies of the weights,
+W + scaling * B @ A, made once per call (what `merge` computes, without touching the model): the
+same function as peft's forward, which adds the adapter's path to every projection, at the cost of a
+dense matmul.
 
 Deviations from transformers' forward, all within float rounding: the attention projections
 (q, k, v) and the MLP's gate and up projections run as one matmul each, on concatenated copies of
@@ -53,12 +57,75 @@ class _Layer:
     b_down: torch.Tensor | None
 
 
+def lora_parts(mod):
+    """(base nn.Linear, [(A, B, scaling) of each active adapter]) of a peft LoRA layer whose
+    forward is base(x) + sum scaling * B(A(x)), A and B the adapter's weight parameters; None for
+    any other module, or a LoRA layer the lean paths do not reproduce (DoRA, adapter bias, a
+    non-Linear base, fan-in-fan-out weights, dropout acting in training mode)."""
+    if not (hasattr(mod, "lora_A") and hasattr(mod, "lora_B") and hasattr(mod, "get_base_layer")):
+        return None
+    base = mod.get_base_layer()
+    if type(base) is not torch.nn.Linear or getattr(mod, "fan_in_fan_out", False):
+        return None
+    if getattr(mod, "disable_adapters", False) or getattr(mod, "merged", False):
+        return base, []                         # adapters off, or already inside base.weight
+    parts = []
+    for ad in mod.active_adapters:
+        if ad not in mod.lora_A:
+            continue
+        A, B = mod.lora_A[ad], mod.lora_B[ad]
+        drop = mod.lora_dropout[ad] if hasattr(mod, "lora_dropout") and ad in mod.lora_dropout else None
+        if (getattr(mod, "use_dora", {}).get(ad, False) or type(A) is not torch.nn.Linear
+                or type(B) is not torch.nn.Linear or B.bias is not None
+                or (isinstance(drop, torch.nn.Dropout) and drop.training and drop.p > 0)):
+            return None
+        parts.append((A.weight, B.weight, mod.scaling[ad]))
+    return base, parts
+
+
+def _wrapped(mod) -> bool:
+    """A module replaced by a peft wrapper (`modules_to_save`, an adapter), whose forward is not
+    the plain weight the lean paths read."""
+    return any(hasattr(mod, a) for a in ("base_layer", "original_module", "modules_to_save"))
+
+
+def supported_linear(mod) -> bool:
+    return type(mod) is torch.nn.Linear or lora_parts(mod) is not None
+
+
+def _base(mod) -> torch.nn.Linear:
+    return mod if type(mod) is torch.nn.Linear else lora_parts(mod)[0]
+
+
+def _weight(mod) -> torch.Tensor:
+    """The weight `mod`'s forward applies: a plain Linear's own, or a LoRA layer's base weight with
+    its active adapters folded in (a new tensor, summed in float32 at least; the model is not
+    modified)."""
+    if type(mod) is torch.nn.Linear:
+        return mod.weight
+    base, parts = lora_parts(mod)
+    w = base.weight
+    if not parts:
+        return w
+    acc = w.float() if w.dtype in (torch.float16, torch.bfloat16) else w
+    for A, B, scaling in parts:
+        acc = torch.addmm(acc, B.to(acc.dtype), A.to(acc.dtype), alpha=scaling)
+    return acc.to(w.dtype)
+
+
 def _cat_bias(*mods):
-    bs = [m.bias for m in mods]
+    bs = [_base(m).bias for m in mods]
     if all(b is None for b in bs):
         return None
-    return torch.cat([b if b is not None else torch.zeros(m.out_features, dtype=m.weight.dtype, device=m.weight.device)
+    return torch.cat([b if b is not None else torch.zeros(_base(m).out_features, dtype=_base(m).weight.dtype,
+                                                          device=_base(m).weight.device)
                       for b, m in zip(bs, mods)])
+
+
+def _unwrap(model):
+    """The transformers model under a peft wrapper (its LoRA layers in place), else the model."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) and hasattr(model, "peft_config") else model
 
 
 class LeanDecoder:
@@ -67,6 +134,7 @@ class LeanDecoder:
 
     @staticmethod
     def supports(model) -> bool:
+        model = _unwrap(model)
         cfg = getattr(model, "config", None)
         if cfg is None or getattr(cfg, "model_type", None) not in _FAMILIES:
             return False
@@ -82,16 +150,21 @@ class LeanDecoder:
             return False
         if type(model.get_output_embeddings()) is not torch.nn.Linear:
             return False
+        if type(getattr(inner, "embed_tokens", None)) is not torch.nn.Embedding or _wrapped(inner.norm):
+            return False                     # e.g. an adapter or a trainable copy on the embedding
         for layer in inner.layers:
+            if _wrapped(layer.input_layernorm) or _wrapped(layer.post_attention_layernorm):
+                return False
             a, m = layer.self_attn, layer.mlp
             mods = [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
-            if any(type(x) is not torch.nn.Linear for x in mods):
+            if not all(supported_linear(x) for x in mods):
                 return False
         return True
 
     @torch.no_grad()
     def __init__(self, model, rows: int = 64):
         """`rows`: the batch size the weights are laid out for (oneDNN, see grpokit.gemm)."""
+        model = _unwrap(model)
         cfg = model.config
         inner = model.model
         self.n_heads = cfg.num_attention_heads
@@ -111,11 +184,11 @@ class LeanDecoder:
             a, m = layer.self_attn, layer.mlp
             self.layers.append(_Layer(
                 layer.input_layernorm.weight,
-                gemm.pack(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), rows),
+                gemm.pack(torch.cat([_weight(a.q_proj), _weight(a.k_proj), _weight(a.v_proj)]), rows),
                 _cat_bias(a.q_proj, a.k_proj, a.v_proj),
-                gemm.pack(a.o_proj.weight, rows), a.o_proj.bias, layer.post_attention_layernorm.weight,
-                gemm.pack(torch.cat([m.gate_proj.weight, m.up_proj.weight]), rows), _cat_bias(m.gate_proj, m.up_proj),
-                gemm.pack(m.down_proj.weight, rows), m.down_proj.bias))
+                gemm.pack(_weight(a.o_proj), rows), _base(a.o_proj).bias, layer.post_attention_layernorm.weight,
+                gemm.pack(torch.cat([_weight(m.gate_proj), _weight(m.up_proj)]), rows), _cat_bias(m.gate_proj, m.up_proj),
+                gemm.pack(_weight(m.down_proj), rows), _base(m.down_proj).bias))
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []

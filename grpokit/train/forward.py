@@ -16,9 +16,10 @@ computes the same function with the model's own parameters (so autograd reaches 
 
 Results equal the model's forward up to float summation order (tests/train/test_forward.py checks
 log-probs and gradients against it). `supports(model)` says when this path applies; otherwise
-(LoRA or quantized layers, other architectures, gradient checkpointing, attention dropout in
+(quantized layers, DoRA, other architectures, gradient checkpointing, attention or LoRA dropout in
 training mode, forward hooks on the decoder such as reference dropout's) the caller runs the
-model's own forward.
+model's own forward. peft LoRA layers are computed as peft computes them, base(x) + scaling *
+B(A(x)) with the adapters' own parameters, so the gradients reach the adapters.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from grpokit.gemm import linear
-from grpokit.rollout.decoder import LeanDecoder
+from grpokit.rollout.decoder import LeanDecoder, lora_parts
 from grpokit.rollout.decoder import rms_norm as _rms
 
 _enabled = True
@@ -59,6 +60,19 @@ def supports(model) -> bool:
     if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
         return False
     return not any(mod._forward_hooks or mod._forward_pre_hooks for mod in inner.modules())
+
+
+def _proj(h: torch.Tensor, mod) -> torch.Tensor:
+    """`mod`'s forward on h: a plain Linear, or a peft LoRA layer's base(h) + sum scaling * B(A(h))
+    (the adapters' own parameters, so autograd reaches them; with the adapters disabled, the base
+    alone, as peft computes it)."""
+    if type(mod) is torch.nn.Linear:
+        return linear(h, mod.weight, mod.bias)
+    base, parts = lora_parts(mod)
+    out = linear(h, base.weight, base.bias)
+    for A, B, scaling in parts:       # in the adapter's dtype (peft keeps adapters in float32 over a
+        out = (out + F.linear(F.linear(h.to(A.dtype), A), B) * scaling).to(out.dtype)   # 16-bit base)
+    return out
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -115,9 +129,9 @@ def prompt_shared_states(model, ids: torch.Tensor, att: torch.Tensor, P: int, L:
     for layer in inner.layers:
         a, mlp = layer.self_attn, layer.mlp
         h = _rms(x, layer.input_layernorm.weight, eps)
-        q = _rope(linear(h, a.q_proj.weight, a.q_proj.bias).view(-1, nh, d), cos, sin)
-        k = _rope(linear(h, a.k_proj.weight, a.k_proj.bias).view(-1, nkv, d), cos, sin)
-        v = linear(h, a.v_proj.weight, a.v_proj.bias).view(-1, nkv, d)
+        q = _rope(_proj(h, a.q_proj).view(-1, nh, d), cos, sin)
+        k = _rope(_proj(h, a.k_proj).view(-1, nkv, d), cos, sin)
+        v = _proj(h, a.v_proj).view(-1, nkv, d)
         kp = k[:Np].view(u, P, nkv, d).transpose(1, 2)                      # [u, nkv, P, d]
         vp = v[:Np].view(u, P, nkv, d).transpose(1, 2)
         qp = q[:Np].view(u, P, nh, d).transpose(1, 2)
@@ -129,11 +143,9 @@ def prompt_shared_states(model, ids: torch.Tensor, att: torch.Tensor, P: int, L:
             qc = q[Np:].view(m, Lc, nh, d).transpose(1, 2)
             o.append(F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask_c, enable_gqa=gqa)
                      .transpose(1, 2).reshape(m * Lc, nh * d))
-        x = x + linear(torch.cat(o) if Lc else o[0], a.o_proj.weight, a.o_proj.bias)
+        x = x + _proj(torch.cat(o) if Lc else o[0], a.o_proj)
         h = _rms(x, layer.post_attention_layernorm.weight, eps)
-        g = linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
-        x = x + linear(F.silu(g) * linear(h, mlp.up_proj.weight, mlp.up_proj.bias),
-                       mlp.down_proj.weight, mlp.down_proj.bias)
+        x = x + _proj(F.silu(_proj(h, mlp.gate_proj)) * _proj(h, mlp.up_proj), mlp.down_proj)
     x = _rms(x, inner.norm.weight, eps)
     first = x[:Np].view(u, P, -1)[:, -1][inv]                               # [m, H] predicts token 0
     if not Lc:

@@ -125,3 +125,59 @@ def test_prompt_streams_make_a_groups_samples_independent_of_its_batch(lean):
     assert sum(shared, []) != eng.generate(ids, params, torch.Generator().manual_seed(5)).completions
     with pytest.raises(ValueError, match="2 prompt streams for 4 prompts"):
         eng.generate(ids, params, PromptStreams([1, 2]))
+
+
+def _lora(model, **kw):
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                        "down_proj"], **kw)
+    peft_model = get_peft_model(model, cfg)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():             # peft starts B at 0 (the adapter is then a no-op): give it weight
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return peft_model.eval()
+
+
+@pytest.mark.parametrize("arch,kv_heads", [("qwen2", None), ("llama", 2)])
+def test_lean_decodes_a_lora_policy_as_peft_does(arch, kv_heads):
+    """A LoRA policy decodes on the lean path with its adapters folded in: the same tokens and
+    log-probs as peft's own forward, adapters on and off; the model is not modified."""
+    base, tok = _model(arch, kv_heads=kv_heads)
+    plain_base = HFEngine(base, tok, lean=False).generate([tok(p)["input_ids"] for p in PROMPTS],
+                                                          SamplingParams(n=2, max_new_tokens=12, temperature=0))
+    model = _lora(base)
+    assert LeanDecoder.supports(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = [tok(p)["input_ids"] for p in PROMPTS]
+    params = SamplingParams(n=2, max_new_tokens=12, temperature=0)
+    lean = HFEngine(model, tok, lean=True).generate(ids, params)
+    plain = HFEngine(model, tok, lean=False).generate(ids, params)
+    assert torch.equal(lean.completion_ids, plain.completion_ids)
+    torch.testing.assert_close(lean.sampler_logprobs, plain.sampler_logprobs, atol=2e-5, rtol=1e-4)
+    assert not torch.equal(lean.completion_ids, plain_base.completion_ids)    # the adapters change the answers
+    with model.disable_adapter():
+        off = HFEngine(model, tok, lean=True).generate(ids, params)
+    assert torch.equal(off.completion_ids, plain_base.completion_ids)
+    torch.testing.assert_close(off.sampler_logprobs, plain_base.sampler_logprobs, atol=2e-5, rtol=1e-4)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_lean_leaves_dora_to_the_models_own_forward():
+    model, _ = _model()
+    assert not LeanDecoder.supports(_lora(model, use_dora=True))
+
+
+
+@pytest.mark.parametrize("extra", [{"target_modules": ["q_proj", "embed_tokens"]},
+                                   {"target_modules": ["q_proj"], "modules_to_save": ["norm"]}])
+def test_lean_leaves_adapted_embeddings_and_norms_to_the_models_own_forward(extra):
+    """An adapter on the embedding, or a trainable copy of a norm, is not in the weights the lean
+    decoder reads: such a model must take the model's own forward."""
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = _model("llama", kv_heads=2)
+    assert not LeanDecoder.supports(get_peft_model(model, LoraConfig(r=2, **extra)))

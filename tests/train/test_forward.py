@@ -126,11 +126,59 @@ def test_lean_forward_steps_aside_where_it_would_be_wrong():
     assert not uses_lean_forward(model, att, P)
 
 
-def test_lora_wrapped_models_use_the_models_forward():
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_lora_wrapped_models_run_the_lean_forward_with_peft_s_result(arch):
+    """A LoRA policy (adapters on every projection) on the lean path: the same log-probs and the
+    same adapter gradients as peft's forward; with the adapters disabled (the KL reference), the
+    base model's log-probs; LoRA dropout acting in training mode sends it back to peft's forward."""
     peft = pytest.importorskip("peft")
-    tok, model = _model("qwen2")
-    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    tok, model = _model(arch)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=6, target_modules=targets))
+    with torch.no_grad():                    # B starts at 0 (a no-op adapter): give it weight
+        for name, p in wrapped.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name)), dtype=p.dtype))
+    wrapped.eval()
     mb = _batch(tok)
-    assert not uses_lean_forward(wrapped, mb.attention_mask, mb.prompt_len)
+    assert uses_lean_forward(wrapped, mb.attention_mask, mb.prompt_len)
+    adapters = [p for n, p in wrapped.named_parameters() if "lora_" in n]
+
+    def run():
+        for p in adapters:
+            p.grad = None
+        got, _ = completion_logprobs(wrapped, mb)
+        (got * torch.linspace(-1, 1, got.numel(), dtype=got.dtype).view_as(got)).sum().backward()
+        return got.detach(), torch.cat([p.grad.flatten() for p in adapters])
+
+    got, g_lean = run()
+    with lean.disabled():
+        want, g_peft = run()
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(g_lean, g_peft, atol=1e-10, rtol=1e-8)
+    assert g_lean.abs().sum() > 0
+    with torch.no_grad():
+        with wrapped.disable_adapter():
+            off, _ = completion_logprobs(wrapped, mb)
+    with torch.no_grad(), wrapped.disable_adapter(), lean.disabled():
+        base, _ = completion_logprobs(wrapped, mb)
+    torch.testing.assert_close(off, base, atol=1e-10, rtol=1e-10)
+    assert not torch.allclose(off, got)                       # the adapters matter
+    dropped = peft.get_peft_model(_model(arch)[1], peft.LoraConfig(r=2, target_modules=targets, lora_dropout=0.1))
+    assert not uses_lean_forward(dropped.train(), mb.attention_mask, mb.prompt_len)
+    assert uses_lean_forward(dropped.eval(), mb.attention_mask, mb.prompt_len)
+
+
+def test_lora_over_a_bfloat16_base_runs_in_the_adapters_dtype():
+    """peft keeps the adapters in float32 over a 16-bit base and casts the input to them; the lean
+    forward does the same (no dtype error, peft's log-probs to bfloat16 rounding)."""
+    peft = pytest.importorskip("peft")
+    tok, model = _model("llama", dtype=torch.bfloat16)
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "down_proj"]))
+    assert next(p for n, p in wrapped.named_parameters() if "lora_A" in n).dtype == torch.float32
+    mb = _batch(tok)
+    assert uses_lean_forward(wrapped, mb.attention_mask, mb.prompt_len)
     got, _ = completion_logprobs(wrapped, mb)
-    torch.testing.assert_close(got, _reference(wrapped, mb, 1.0), atol=1e-10, rtol=1e-10)
+    with lean.disabled():
+        want, _ = completion_logprobs(wrapped, mb)
+    torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
