@@ -141,3 +141,38 @@ def test_one_grpo_step_and_a_checkpoint_transformers_loads(gguf_file, tmp_path):
         assert torch.equal(loaded(ids).logits, trainer.model.eval()(ids).logits)
     changed = sum(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
     assert changed > 0 or rows[-1].get("group/frac_zero_std", 0) == 1.0      # updated unless no group had signal
+
+
+def test_a_lora_policy_decodes_and_trains_on_the_lean_paths_as_peft_computes_it(gguf_file, tok):
+    """SmolLM2 with LoRA adapters on every projection (B given weight, as after training): the lean
+    decoder (adapters folded into the weights) and the lean training forward give peft's tokens and
+    log-probs, and the adapters get gradients."""
+    from peft import LoraConfig, get_peft_model
+
+    from grpokit.rollout.decoder import LeanDecoder
+    from grpokit.rollout.hf import HFEngine
+    from grpokit.train import forward as lean
+
+    base = load_model(gguf_file, dtype="float32", device="cpu")
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    assert LeanDecoder.supports(model) and lean.supports(model.get_base_model())
+    enc = PromptEncoder(tok)
+    ids = [enc.encode([{"role": "user", "content": q}]) for q in ("What is 7 + 5?", "What is 28 - 9 + 3?")]
+    params = SamplingParams(n=2, max_new_tokens=10, temperature=0)
+    fast = HFEngine(model, tok, lean=True).generate(ids, params)
+    slow = HFEngine(model, tok, lean=False).generate(ids, params)
+    assert fast.completions == slow.completions
+    torch.testing.assert_close(fast.sampler_logprobs, slow.sampler_logprobs, atol=1e-3, rtol=1e-3)
+    mb = build_micro_batch(list(range(len(fast))), fast.prompt_ids, fast.completion_ids, fast.completion_mask,
+                           tok.pad_token_id)
+    got, _ = completion_logprobs(model, mb)
+    with lean.disabled():
+        want, _ = completion_logprobs(model, mb)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    got.sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "lora_A" in n)
