@@ -10,7 +10,8 @@ the engine falls back to the model's own forward otherwise (quantized layers, Do
 architectures). A LoRA policy decodes with its adapters folded into copies of the weights,
 W + scaling * B @ A, made once per call (what `merge` computes, without touching the model): the
 same function as peft's forward, which adds the adapter's path to every projection, at the cost of a
-dense matmul.
+dense matmul. Where those copies would take more than half the free memory of the device
+(`LeanDecoder.folds_fit`), the engine samples through peft's forward instead.
 
 Deviations from transformers' forward, all within float rounding: the attention projections
 (q, k, v) and the MLP's gate and up projections run as one matmul each, on concatenated copies of
@@ -122,6 +123,21 @@ def _cat_bias(*mods):
                       for b, m in zip(bs, mods)])
 
 
+def free_bytes(device: torch.device) -> int:
+    """Memory free for new tensors on `device`: the GPU's free memory, or the host's available
+    memory (Linux `MemAvailable`; unknown elsewhere, taken as unlimited)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
 def _unwrap(model):
     """The transformers model under a peft wrapper (its LoRA layers in place), else the model."""
     get_base = getattr(model, "get_base_model", None)
@@ -160,6 +176,19 @@ class LeanDecoder:
             if not all(supported_linear(x) for x in mods):
                 return False
         return True
+
+    @staticmethod
+    def folds_fit(model) -> bool:
+        """Whether the copies that fold a LoRA policy's adapters into its weights (one per adapted
+        projection, alive during a rollout) take at most half the memory free on the model's device.
+        LoRA is often chosen to fit a model into memory, so where they do not fit the engine samples
+        through the model's own forward, which needs no copies. True for a model without adapters."""
+        base = _unwrap(model)
+        need = sum(lora_parts(m)[0].weight.numel() * lora_parts(m)[0].weight.element_size()
+                   for m in base.modules() if lora_parts(m) is not None and lora_parts(m)[1])
+        if not need:
+            return True
+        return need <= free_bytes(next(base.parameters()).device) // 2
 
     @torch.no_grad()
     def __init__(self, model, rows: int = 64):

@@ -89,7 +89,7 @@ class HFEngine:
                 raise ValueError("empty prompt: every prompt needs at least one token")
             if isinstance(generator, PromptStreams) and len(generator) != len(prompt_ids):
                 raise ValueError(f"{len(generator)} prompt streams for {len(prompt_ids)} prompts")
-            if self.lean and LeanDecoder.supports(model):
+            if self.lean and LeanDecoder.supports(model) and LeanDecoder.folds_fit(model):
                 return self._generate_lean(model, dev, prompt_ids, params, generator)
             with fast_linears(model):
                 return self._generate(model, dev, prompt_ids, params, generator)

@@ -181,3 +181,29 @@ def test_lean_leaves_adapted_embeddings_and_norms_to_the_models_own_forward(extr
 
     model, _ = _model("llama", kv_heads=2)
     assert not LeanDecoder.supports(get_peft_model(model, LoraConfig(r=2, **extra)))
+
+
+def test_a_lora_policy_samples_without_folded_copies_when_they_would_not_fit(monkeypatch):
+    """Folding the adapters copies every adapted weight for the rollout; where those copies would
+    take more than half the free memory, sampling goes through peft's forward (no copies), with the
+    same tokens. A model without adapters is never held back."""
+    from grpokit.rollout import decoder
+
+    base, tok = _model("llama", kv_heads=2)
+    plain_ok = LeanDecoder.folds_fit(base)
+    model = _lora(base)
+    assert plain_ok and LeanDecoder.folds_fit(model)
+    ids = [tok(p)["input_ids"] for p in PROMPTS]
+    params = SamplingParams(n=2, max_new_tokens=8, temperature=0)
+    eng = HFEngine(model, tok)
+    paths = []
+    monkeypatch.setattr(eng, "_generate_lean", lambda *a: paths.append("lean") or HFEngine._generate_lean(eng, *a))
+    monkeypatch.setattr(eng, "_generate", lambda *a: paths.append("model") or HFEngine._generate(eng, *a))
+    roomy = eng.generate(ids, params)
+    monkeypatch.setattr(decoder, "free_bytes", lambda device: 1000)     # ~the size of one adapted weight
+    assert not LeanDecoder.folds_fit(model)
+    with model.disable_adapter():                                      # nothing to fold
+        assert LeanDecoder.folds_fit(model)
+    tight = eng.generate(ids, params)
+    assert paths == ["lean", "model"]
+    assert torch.equal(roomy.completion_ids, tight.completion_ids)
