@@ -31,7 +31,13 @@ from grpokit.train.build import load_model, load_tokenizer
 from grpokit.train.prompts import PromptEncoder
 
 EXPR = re.compile(r"What is ([\d +-]+)\?")
-MAX_NEW_TOKENS = 64                                   # the recipe's rollout.max_new_tokens
+
+
+def recipe_max_new_tokens() -> int:
+    """The recipe's rollout.max_new_tokens (examples/smollm2.yaml), so the probe answers as runs do."""
+    from grpokit.config import load_config
+
+    return load_config(str(Path(__file__).resolve().parent / "smollm2.yaml")).rollout.max_new_tokens
 
 
 def direct_arithmetic(engine, encoder, tok, rows: list[dict]) -> dict[str, list[int]]:
@@ -53,9 +59,10 @@ def sampled(engine, encoder, rows: list[dict], k: int, temperature: float, seed:
     score = get("math_accuracy")
     ids = [encoder.encode(r["prompt"]) for r in rows]
     gen = torch.Generator().manual_seed(seed)
+    limit = recipe_max_new_tokens()
     hits = {}
     for n, temp in ((1, 0.0), (k, temperature)):
-        out = engine.generate(ids, SamplingParams(n=n, max_new_tokens=MAX_NEW_TOKENS, temperature=temp), gen)
+        out = engine.generate(ids, SamplingParams(n=n, max_new_tokens=limit, temperature=temp), gen)
         answers = [r["answer"] for r in rows for _ in range(n)]
         ok = [v is not None and v >= 1.0 for v in score([""] * len(answers), out.completions, answer=answers)]
         hits[n] = [ok[i * n:(i + 1) * n] for i in range(len(rows))]

@@ -115,12 +115,10 @@ def _weight(mod) -> torch.Tensor:
 
 
 def _cat_bias(*mods):
-    bs = [_base(m).bias for m in mods]
-    if all(b is None for b in bs):
+    lins = [_base(m) for m in mods]
+    if all(lin.bias is None for lin in lins):
         return None
-    return torch.cat([b if b is not None else torch.zeros(_base(m).out_features, dtype=_base(m).weight.dtype,
-                                                          device=_base(m).weight.device)
-                      for b, m in zip(bs, mods)])
+    return torch.cat([lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.out_features) for lin in lins])
 
 
 def free_bytes(device: torch.device) -> int:
@@ -184,8 +182,11 @@ class LeanDecoder:
         LoRA is often chosen to fit a model into memory, so where they do not fit the engine samples
         through the model's own forward, which needs no copies. True for a model without adapters."""
         base = _unwrap(model)
-        need = sum(lora_parts(m)[0].weight.numel() * lora_parts(m)[0].weight.element_size()
-                   for m in base.modules() if lora_parts(m) is not None and lora_parts(m)[1])
+        need = 0
+        for mod in base.modules():
+            found = lora_parts(mod)
+            if found is not None and found[1]:             # a layer with active adapters: one copy
+                need += found[0].weight.numel() * found[0].weight.element_size()
         if not need:
             return True
         return need <= free_bytes(next(base.parameters()).device) // 2
