@@ -206,3 +206,56 @@ def math_accuracy_alt(prompts, completions, *, answer_column: str = "answer",
     """Independent second checker for `CrossCheck` (see the module docstring)."""
     refs = read_column("math_accuracy_alt", answer_column, columns, len(completions))
     return _batch(judge_alt, completions, refs, timeout_s, strict_numbers)
+
+
+def _number_value(ans: str) -> float | None:
+    """The value of an answer written as one integer or decimal (`number_kind` "int" / "real", with
+    its dressing: "x = 12", "12 apples", "\\$12"); None for anything else (an expression, a
+    fraction, a symbol)."""
+    if core.number_kind(ans) not in ("int", "real"):
+        return None
+    s = core.squash(ans).rsplit("=", 1)[-1]
+    m = re.search(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?(?:[eE][+-]?\d+)?|[+-]?\.\d+", core._DRESSING.sub("", s))
+    if m is None:
+        return None
+    try:
+        v = float(m.group(0).replace(",", ""))
+    except ValueError:
+        return None
+    if "\\cdot10^{" in s:  # 1e3 as `normalize` writes it
+        v *= 10.0 ** int(s.split("\\cdot10^{", 1)[1].split("}", 1)[0])
+    return v if v == v and abs(v) != float("inf") else None
+
+
+def closeness(completion: str, reference, *, scale: float = 1.0) -> float | None:
+    """1 / (1 + |x - a| / scale) for the completion's final answer x and a numeric reference a;
+    1.0 exactly when x = a. 0.0 when the answer is missing, hedged (several different answers, a
+    candidate list) or not written as one number; None when the reference is not one number."""
+    if reference is None:
+        return None
+    a = _number_value(core.normalize(core.reference_answer(reference)))
+    if a is None:
+        return None
+    ex = extract_answer(completion if isinstance(completion, str) else str(completion))
+    answers = {core.squash(n): n for n in (core.normalize(x) for x in ex.answers) if n}
+    if len(answers) != 1 or ex.hedged:
+        return 0.0
+    ans = next(iter(answers.values()))
+    if len(ans) > core.MAX_ANSWER_CHARS or _DISJ.search(ans):
+        return 0.0
+    x = _number_value(ans)
+    return 0.0 if x is None else 1.0 / (1.0 + abs(x - a) / scale)
+
+
+@register("math_closeness", columns=["{answer_column}"])
+def math_closeness(prompts, completions, *, answer_column: str = "answer", scale: float = 1.0,
+                   **columns) -> list[float | None]:
+    """Partial credit for a numeric answer: 1 / (1 + |x - a| / scale), x the final answer as
+    `math_accuracy` extracts it, written as one number (an expression scores 0, as under
+    `strict_numbers`), a the reference. A shaping term beside `math_accuracy`, not instead of it:
+    a group whose answers are all wrong still ranks the near ones above the far ones (None where
+    the reference is not a number)."""
+    if not scale > 0:
+        raise ValueError(f"math_closeness: scale must be > 0, got {scale}")
+    refs = read_column("math_closeness", answer_column, columns, len(completions))
+    return [closeness(c, r, scale=scale) for c, r in zip(completions, refs)]

@@ -136,9 +136,9 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
             logits = logits.clone()
             rows = resampled.nonzero().squeeze(-1)
             logits[rows, top_i[rows]] = float("-inf")
-    logprobs_all = torch.log_softmax(logits, -1)
-    tok = draw(logprobs_all.exp(), generator) if u is None else inverse_cdf(logprobs_all.exp(), u)
-    return tok, logprobs_all.gather(-1, tok[:, None]).squeeze(-1), resampled
+    probs = torch.softmax(logits, -1)
+    tok = draw(probs, generator) if u is None else inverse_cdf(probs, u)
+    return tok, probs.gather(-1, tok[:, None]).squeeze(-1).log(), resampled
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -148,10 +148,11 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
     Inverse transform sampling: one uniform u per row, and the token is the first whose cumulative
     mass exceeds u times the row's total. `torch.multinomial` draws one exponential random number
     per vocabulary entry instead (49,152 a row for a Llama-3-sized vocabulary), which took a
-    seventh of a decoding step of a 135 M-parameter model on a CPU. The cumulative sum is in
-    float64, so each token's share of [0, total) is its probability to ~1e-16 (float32 would shift
-    a token's mass by up to ~6e-8, the size of a rare token's probability). A zero-probability
-    token is never drawn: its interval is empty (`right=True` skips ties)."""
+    seventh of a decoding step of a 135 M-parameter model on a CPU. The cumulative sums are in
+    float64 (`inverse_cdf`: over blocks of the vocabulary, then inside one), so each token's share
+    of [0, total) is its probability to ~1e-16 (float32 would shift a token's mass by up to ~6e-8,
+    the size of a rare token's probability). A zero-probability token is never drawn: its interval
+    is empty (`right=True` skips ties)."""
     u = torch.rand((probs.shape[0],), dtype=torch.float64, device=probs.device, generator=generator)
     return inverse_cdf(probs, u)
 
@@ -176,14 +177,42 @@ class PromptStreams:
         return torch.cat([torch.rand((n,), dtype=torch.float64, generator=g) for g in self.generators])
 
 
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = 1024) -> torch.Tensor:
     """The token of each row of `probs` [B, V] at quantile u [B] (in [0, 1)) of its distribution:
-    the first token whose cumulative mass exceeds u * total."""
-    cdf = torch.cumsum(probs, -1, dtype=torch.float64)                           # [B, V]
-    tok = torch.searchsorted(cdf, (u.to(cdf.dtype) * cdf[:, -1])[:, None], right=True).squeeze(-1)   # [B]
-    over = tok >= probs.shape[-1]        # u * total rounded up to the total: the last token with mass
+    the first token whose cumulative mass exceeds u * total.
+
+    In two levels, so that no float64 copy of the whole [B, V] is made (a cumulative sum over a
+    49,152-entry vocabulary in float64 took a tenth of a small model's decoding step): the mass of
+    each block of `block` tokens (summed in float64), the block holding the quantile, then the
+    cumulative mass inside that block alone. Up to float64 summation order this is the cumulative
+    sum over the whole row."""
+    B, V = probs.shape
+    nb = V // block
+    if nb < 2:
+        return _first_over(torch.cumsum(probs, -1, dtype=torch.float64), u.double(), probs)
+    head = probs[:, :nb * block].reshape(B, nb, block).sum(-1, dtype=torch.float64)     # [B, nb]
+    if V > nb * block:
+        head = torch.cat([head, probs[:, nb * block:].sum(-1, dtype=torch.float64)[:, None]], -1)
+    cum = head.cumsum(-1)                                                               # [B, blocks]
+    b = _first_over(cum, u.double(), head)                                              # [B] the block
+    target = u.double() * cum[:, -1] - torch.where(b > 0, cum.gather(-1, (b - 1).clamp(min=0)[:, None])
+                                                   .squeeze(-1), torch.zeros_like(cum[:, 0]))
+    cols = b[:, None] * block + torch.arange(block, device=probs.device)[None]          # [B, block]
+    inside = cols < V
+    part = probs.gather(-1, cols.clamp(max=V - 1)).masked_fill(~inside, 0)             # [B, block]
+    pcum = part.cumsum(-1, dtype=torch.float64)
+    j = _first_over(pcum, target / pcum[:, -1].clamp(min=torch.finfo(torch.float64).tiny), part)
+    return b * block + j
+
+
+def _first_over(cum: torch.Tensor, u: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """The first index whose cumulative mass `cum` [B, n] exceeds u [B] times the row's total (zero
+    entries of `mass` never chosen); u * total rounded up to the total gives the last entry with
+    mass."""
+    tok = torch.searchsorted(cum, (u.to(cum.dtype) * cum[:, -1])[:, None], right=True).squeeze(-1)   # [B]
+    over = tok >= mass.shape[-1]
     if over.any():
-        last = probs.shape[-1] - 1 - (probs[over].flip(-1) > 0).long().argmax(-1)
+        last = mass.shape[-1] - 1 - (mass[over].flip(-1) > 0).long().argmax(-1)
         tok = tok.masked_scatter(over, last)
     return tok
 

@@ -2,6 +2,8 @@
 categorical distribution: many draws, a chi-square goodness-of-fit test and the total-variation
 distance, zero-probability tokens never drawn, and seeded determinism."""
 
+import numpy as np
+import pytest
 import torch
 
 from grpokit.rollout.base import SamplingParams, draw, inverse_cdf, sample_next
@@ -64,14 +66,15 @@ def test_the_test_rejects_a_wrong_distribution():
     assert chi_square_p_value(counts, probs) < 1e-6
 
 
-def test_quantiles_at_the_edges_pick_tokens_with_mass():
+@pytest.mark.parametrize("block", [1024, 2, 3])   # one level; two levels with zero-mass blocks
+def test_quantiles_at_the_edges_pick_tokens_with_mass(block):
     probs = torch.tensor([[0.0, 0.25, 0.0, 0.5, 0.25, 0.0]])
     below_one = torch.nextafter(torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64))
     cases = {0.0: 1, 0.2499: 1, 0.25: 3, 0.7499: 3, 0.75: 4, float(below_one): 4}
     for u, want in cases.items():
-        assert int(inverse_cdf(probs, torch.tensor([u], dtype=torch.float64))) == want, u
+        assert int(inverse_cdf(probs, torch.tensor([u], dtype=torch.float64), block)) == want, u
     # a quantile at the total (what rounding of u * total can give) still lands on a token with mass
-    assert int(inverse_cdf(probs, torch.tensor([1.0], dtype=torch.float64))) == 4
+    assert int(inverse_cdf(probs, torch.tensor([1.0], dtype=torch.float64), block)) == 4
 
 
 def test_seeded_draws_are_deterministic():
@@ -101,3 +104,25 @@ def test_sample_next_frequencies_match_its_recorded_logprobs():
     counts = torch.bincount(tok, minlength=6)
     assert counts[~keep].sum() == 0
     assert chi_square_p_value(counts, exact) > 1e-3
+
+
+@pytest.mark.parametrize("V, block", [(49152, 1024), (1000, 64), (5000, 1024), (100, 1024)])
+def test_inverse_cdf_in_blocks_equals_the_full_cumulative_sum(V, block):
+    """The two-level search (block masses, then inside one block) picks the token a plain float64
+    cumulative sum over the whole row picks (numpy, independently), with whole blocks of zero mass,
+    a ragged last block and rows that do not sum to 1."""
+    g = torch.Generator().manual_seed(V)
+    probs = torch.softmax(torch.randn(6, V, generator=g) * 4, -1)
+    probs[1, : V // 2] = 0                      # the first half of the row (whole blocks) has no mass
+    probs[2] *= 3.0                             # not normalised
+    probs[3, :-1] = 0                           # all mass on the last token (in the ragged tail)
+    probs[3, -1] = 1.0
+    probs[4, ::7] = 0
+    u = torch.rand(6, 200, dtype=torch.float64, generator=g)
+    ref_cdf = np.cumsum(probs.double().numpy(), -1)
+    for k in range(u.shape[1]):
+        got = inverse_cdf(probs, u[:, k], block=block)
+        for r in range(6):
+            want = int(np.searchsorted(ref_cdf[r], u[r, k].item() * ref_cdf[r, -1], side="right"))
+            assert int(got[r]) == min(want, V - 1), (r, k)
+            assert probs[r, got[r]] > 0
