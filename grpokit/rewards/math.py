@@ -208,33 +208,41 @@ def math_accuracy_alt(prompts, completions, *, answer_column: str = "answer",
     return _batch(judge_alt, completions, refs, timeout_s, strict_numbers)
 
 
-def _number_value(ans: str) -> float | None:
-    """The value of an answer written as one integer or decimal (`number_kind` "int" / "real", with
-    its dressing: "x = 12", "12 apples", "\\$12"); None for anything else (an expression, a
-    fraction, a symbol)."""
-    if core.number_kind(ans) not in ("int", "real"):
+_RATIO = re.compile(r"([+-]?)(?:\\frac\{([+-]?\d+)\}\{([+-]?\d+)\}|\\frac(\d)(\d)|(\d+)/(\d+))")
+
+
+def _number_value(ans: str) -> tuple[float, str] | None:
+    """The value and kind ("int", "real", "ratio") of an answer written as one number
+    (`number_kind`, with its dressing: "x = 12", "12 apples", "\\$12", "\\frac{3}{4}", "3/4");
+    None for anything else (an expression, a symbol, a list)."""
+    kind = core.number_kind(ans)
+    if kind is None:
         return None
-    s = core.squash(ans).rsplit("=", 1)[-1]
-    m = re.search(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?(?:[eE][+-]?\d+)?|[+-]?\.\d+", core._DRESSING.sub("", s))
-    if m is None:
-        return None
+    s = core._DRESSING.sub("", core.squash(ans).rsplit("=", 1)[-1])
     try:
-        v = float(m.group(0).replace(",", ""))
-    except ValueError:
+        if kind == "ratio":
+            m = _RATIO.search(s)
+            num, den = next((int(m.group(i)), int(m.group(i + 1))) for i in (2, 4, 6) if m.group(i) is not None)
+            v = (-1.0 if m.group(1) == "-" else 1.0) * num / den
+        else:
+            m = re.search(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?(?:[eE][+-]?\d+)?|[+-]?\.\d+", s)
+            v = float(m.group(0).replace(",", ""))
+            if "\\cdot10^{" in s:  # 1e3 as `normalize` writes it
+                v *= 10.0 ** int(s.split("\\cdot10^{", 1)[1].split("}", 1)[0])
+    except (AttributeError, ValueError, ZeroDivisionError, OverflowError, StopIteration):
         return None
-    if "\\cdot10^{" in s:  # 1e3 as `normalize` writes it
-        v *= 10.0 ** int(s.split("\\cdot10^{", 1)[1].split("}", 1)[0])
-    return v if v == v and abs(v) != float("inf") else None
+    return (v, kind) if v == v and abs(v) != float("inf") else None
 
 
 def closeness(completion: str, reference, *, scale: float = 1.0) -> float | None:
     """1 / (1 + |x - a| / scale) for the completion's final answer x and a numeric reference a;
     1.0 exactly when x = a. 0.0 when the answer is missing, hedged (several different answers, a
-    candidate list) or not written as one number; None when the reference is not one number."""
+    candidate list) or not written as one number (a fraction answers a fraction or a decimal, not
+    an integer); None when the reference is not one number."""
     if reference is None:
         return None
-    a = _number_value(core.normalize(core.reference_answer(reference)))
-    if a is None:
+    ref = _number_value(core.normalize(core.reference_answer(reference)))
+    if ref is None:
         return None
     ex = extract_answer(completion if isinstance(completion, str) else str(completion))
     answers = {core.squash(n): n for n in (core.normalize(x) for x in ex.answers) if n}
@@ -243,8 +251,10 @@ def closeness(completion: str, reference, *, scale: float = 1.0) -> float | None
     ans = next(iter(answers.values()))
     if len(ans) > core.MAX_ANSWER_CHARS or _DISJ.search(ans):
         return 0.0
-    x = _number_value(ans)
-    return 0.0 if x is None else 1.0 / (1.0 + abs(x - a) / scale)
+    got = _number_value(ans)
+    if got is None or (got[1] == "ratio" and ref[1] == "int"):   # as `strict_numbers`: 70/2 for 35 is no answer
+        return 0.0
+    return 1.0 / (1.0 + abs(got[0] - ref[0]) / scale)
 
 
 @register("math_closeness", columns=["{answer_column}"])

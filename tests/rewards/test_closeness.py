@@ -19,6 +19,10 @@ from grpokit.rewards.math import closeness
     ("\\boxed{1,200}", "1200", 1.0),
     ("15 - 3 = 12", "12", 1.0),               # no box: the last number of the final line
     ("The answer is 14.", "#### 12", 1 / 3),   # GSM8K-style reference
+    ("\\boxed{\\frac{3}{4}}", "0.75", 1.0),     # a fraction answers a decimal or a fraction
+    ("\\boxed{3/4}", "\\frac{3}{4}", 1.0),
+    ("\\boxed{\\frac12}", "0.75", 1 / 1.25),
+    ("\\boxed{-\\frac{1}{2}}", "-0.5", 1.0),
 ])
 def test_distance(text, ref, want):
     assert math.isclose(closeness(text, ref), want)
@@ -39,6 +43,7 @@ def test_no_single_number_scores_zero(text):
 def test_reference_not_a_number_is_unscored():
     assert closeness("\\boxed{5}", "x + 1") is None
     assert closeness("\\boxed{5}", None) is None
+    assert closeness("\\boxed{5}", "\\frac{1}{0}") is None
 
 
 def test_scale_and_ordering():
