@@ -297,6 +297,13 @@ def number_kind(ans: str) -> str | None:
     """"int", "real" or "ratio" when `ans` is one number written out (after an "x =" and its
     dressing: units in \\text{}, trailing words, degrees, percent, currency); None otherwise (an
     expression, a symbol, a list)."""
+    found = number_text(ans)
+    return None if found is None else found[0]
+
+
+def number_text(ans: str) -> tuple[str, str] | None:
+    """`number_kind` with the number itself as written, its dressing removed and squashed:
+    ("int", "1,200"), ("real", "1\\cdot10^{3}"), ("ratio", "\\frac{3}{4}"); None if not one number."""
     s = squash(ans).rsplit("=", 1)[-1]
     s = _DRESSING.sub("", s)
     s = re.sub(r"(?<=[\d}])[A-Za-z]{2,}$", "", s)  # "8 apples" (squashed: "8apples"); not "2x"
@@ -304,7 +311,7 @@ def number_kind(ans: str) -> str | None:
         s = s[1:-1]
     for kind, pat in _NUMBER_KINDS:
         if pat.fullmatch(s):
-            return kind
+            return kind, s
     return None
 
 

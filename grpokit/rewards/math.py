@@ -208,27 +208,27 @@ def math_accuracy_alt(prompts, completions, *, answer_column: str = "answer",
     return _batch(judge_alt, completions, refs, timeout_s, strict_numbers)
 
 
-_RATIO = re.compile(r"([+-]?)(?:\\frac\{([+-]?\d+)\}\{([+-]?\d+)\}|\\frac(\d)(\d)|(\d+)/(\d+))")
+_RATIO = re.compile(r"([+-]?)(?:\\frac\{([+-]?\d+)\}\{([+-]?\d+)\}|\\frac(\d)(\d)|(\d+)/([+-]?\d+))")
+_SCI = re.compile(r"(.*)\\cdot10\^\{([+-]?\d+)\}")   # 1e3 as `_mathcore.normalize` writes it
 
 
 def _number_value(ans: str) -> tuple[float, str] | None:
     """The value and kind ("int", "real", "ratio") of an answer written as one number
-    (`number_kind`, with its dressing: "x = 12", "12 apples", "\\$12", "\\frac{3}{4}", "3/4");
+    (`_mathcore.number_text`: "x = 12", "12 apples", "\\$12", "1,200", "\\frac{3}{4}", "3/4");
     None for anything else (an expression, a symbol, a list)."""
-    kind = core.number_kind(ans)
-    if kind is None:
+    found = core.number_text(ans)
+    if found is None:
         return None
-    s = core._DRESSING.sub("", core.squash(ans).rsplit("=", 1)[-1])
+    kind, s = found
     try:
         if kind == "ratio":
-            m = _RATIO.search(s)
+            m = _RATIO.fullmatch(s)
             num, den = next((int(m.group(i)), int(m.group(i + 1))) for i in (2, 4, 6) if m.group(i) is not None)
             v = (-1.0 if m.group(1) == "-" else 1.0) * num / den
+        elif (sci := _SCI.fullmatch(s)) is not None:
+            v = float(sci.group(1)) * 10.0 ** int(sci.group(2))
         else:
-            m = re.search(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?(?:[eE][+-]?\d+)?|[+-]?\.\d+", s)
-            v = float(m.group(0).replace(",", ""))
-            if "\\cdot10^{" in s:  # 1e3 as `normalize` writes it
-                v *= 10.0 ** int(s.split("\\cdot10^{", 1)[1].split("}", 1)[0])
+            v = float(s.replace(",", ""))
     except (AttributeError, ValueError, ZeroDivisionError, OverflowError, StopIteration):
         return None
     return (v, kind) if v == v and abs(v) != float("inf") else None

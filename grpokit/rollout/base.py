@@ -187,29 +187,28 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = 1024) -> torc
     cumulative mass inside that block alone. Up to float64 summation order this is the cumulative
     sum over the whole row."""
     B, V = probs.shape
+    u = u.double()
     nb = V // block
     if nb < 2:
-        return _first_over(torch.cumsum(probs, -1, dtype=torch.float64), u.double(), probs)
+        cdf = torch.cumsum(probs, -1, dtype=torch.float64)
+        return _first_over(cdf, u * cdf[:, -1], probs)
     head = probs[:, :nb * block].reshape(B, nb, block).sum(-1, dtype=torch.float64)     # [B, nb]
     if V > nb * block:
         head = torch.cat([head, probs[:, nb * block:].sum(-1, dtype=torch.float64)[:, None]], -1)
     cum = head.cumsum(-1)                                                               # [B, blocks]
-    b = _first_over(cum, u.double(), head)                                              # [B] the block
-    target = u.double() * cum[:, -1] - torch.where(b > 0, cum.gather(-1, (b - 1).clamp(min=0)[:, None])
-                                                   .squeeze(-1), torch.zeros_like(cum[:, 0]))
+    target = u * cum[:, -1]
+    b = _first_over(cum, target, head)                                                  # [B] the block
+    before = torch.cat([torch.zeros_like(cum[:, :1]), cum], -1).gather(-1, b[:, None]).squeeze(-1)
     cols = b[:, None] * block + torch.arange(block, device=probs.device)[None]          # [B, block]
-    inside = cols < V
-    part = probs.gather(-1, cols.clamp(max=V - 1)).masked_fill(~inside, 0)             # [B, block]
-    pcum = part.cumsum(-1, dtype=torch.float64)
-    j = _first_over(pcum, target / pcum[:, -1].clamp(min=torch.finfo(torch.float64).tiny), part)
-    return b * block + j
+    part = probs.gather(-1, cols.clamp(max=V - 1)).masked_fill(cols >= V, 0)           # [B, block]
+    return b * block + _first_over(part.cumsum(-1, dtype=torch.float64), target - before, part)
 
 
-def _first_over(cum: torch.Tensor, u: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
-    """The first index whose cumulative mass `cum` [B, n] exceeds u [B] times the row's total (zero
-    entries of `mass` never chosen); u * total rounded up to the total gives the last entry with
+def _first_over(cum: torch.Tensor, target: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """The first index whose cumulative mass `cum` [B, n] exceeds `target` [B] (zero entries of
+    `mass` are never chosen); a target at or past the total (rounding) gives the last entry with
     mass."""
-    tok = torch.searchsorted(cum, (u.to(cum.dtype) * cum[:, -1])[:, None], right=True).squeeze(-1)   # [B]
+    tok = torch.searchsorted(cum, target[:, None], right=True).squeeze(-1)             # [B]
     over = tok >= mass.shape[-1]
     if over.any():
         last = mass.shape[-1] - 1 - (mass[over].flip(-1) > 0).long().argmax(-1)
