@@ -269,3 +269,93 @@ def math_closeness(prompts, completions, *, answer_column: str = "answer", scale
         raise ValueError(f"math_closeness: scale must be > 0, got {scale}")
     refs = read_column("math_closeness", answer_column, columns, len(completions))
     return [closeness(c, r, scale=scale) for c, r in zip(completions, refs)]
+
+
+# --------------------------------------------------------------------------- stated intermediate values
+
+_STATED = re.compile(r"=\s*\$?\s*(-?\d[\d,]*(?:\.\d+)?)(?![\d.]*\s*[*/^×÷]|\d)")
+
+
+def _step_list(value, n: int) -> list[float]:
+    """A row's reference intermediate values: a list/tuple of numbers or numeric strings, a string
+    of them separated by ';', or None/empty (no steps). ValueError on anything else."""
+    if value is None or value == "" or value == []:
+        return []
+    items = value.split(";") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"step_values: row {n}: steps must be a list of numbers, got {type(value).__name__}")
+    out = []
+    for x in items:
+        try:
+            v = float(str(x).replace(",", "").strip())
+        except ValueError:
+            raise ValueError(f"step_values: row {n}: step {x!r} is not a number") from None
+        if v != v or abs(v) == float("inf"):
+            raise ValueError(f"step_values: row {n}: step {x!r} is not finite")
+        out.append(v)
+    return out
+
+
+def stated_values(completion: str) -> list[float]:
+    """The numbers a completion states as results: what follows an "=" ("9 + 9 = 18" -> 18.0),
+    in order, thousands separators dropped. A number that starts a longer expression
+    ("= 18 * 2") is not a result."""
+    out = []
+    for m in _STATED.finditer(completion):
+        try:
+            out.append(float(m.group(1).replace(",", "")))
+        except ValueError:
+            continue
+    return out
+
+
+def _final_value(completion: str) -> float | None:
+    """The completion's final answer as `math_accuracy` extracts it, if it is one number."""
+    ex = extract_answer(completion)
+    answers = {core.squash(n): n for n in (core.normalize(x) for x in ex.answers) if n}
+    if len(answers) != 1 or ex.hedged:
+        return None
+    got = _number_value(next(iter(answers.values())))
+    return None if got is None else got[0]
+
+
+def step_credit(completion: str, steps: list[float], *, answer: float | None = None, slack: int = 2) -> float:
+    """Fraction of the reference steps stated as the result of an equation in the completion; 0.0
+    when the completion states more than len(steps) + 1 + slack distinct results (listing numbers
+    is no way to collect it) and 0.0 when there are no steps (nothing to credit). A step given as
+    the final answer is a stop halfway, not a step: it earns nothing unless it is the reference
+    `answer` itself."""
+    if not steps:
+        return 0.0
+    text = completion if isinstance(completion, str) else str(completion)
+    stated = set(stated_values(text))
+    if len(stated) > len(steps) + 1 + slack:
+        return 0.0
+    final = _final_value(text)
+    close = lambda a, b: a is not None and b is not None and abs(a - b) < 1e-9  # noqa: E731
+    want = [w for w in dict.fromkeys(steps)]
+    return sum(any(close(s, w) for s in stated) and (not close(final, w) or close(w, answer))
+               for w in want) / len(want)
+
+
+@register("step_values", columns=["{steps_column}"])
+def step_values(prompts, completions, *, steps_column: str = "steps", answer_column: str = "answer",
+                slack: int = 2, **columns) -> list[float]:
+    """Process shaping for multi-step problems whose intermediate results are known (the
+    reference's partial sums; GSM8K's `<<48/2=24>>` annotations): the fraction of a row's
+    reference steps that the completion states as the result of an equation ("24 - 5 = 19"), not
+    counting a step that is also the final answer (a stop halfway; the reference answer in
+    `answer_column`, if the dataset has it, is exempt). Rows without steps score 0.0, so a group of them is not ranked by this term. A completion
+    that states more than len(steps) + 1 + `slack` distinct results scores 0.0 (a list of numbers
+    is no way to collect it). A shaping term beside `math_accuracy`: a right step followed by a
+    wrong final answer still loses to a right answer."""
+    if not (isinstance(slack, int) and slack >= 0):
+        raise ValueError(f"step_values: slack must be an integer >= 0, got {slack!r}")
+    rows = read_column("step_values", steps_column, columns, len(completions))
+    refs = (read_column("step_values", answer_column, columns, len(completions)) if answer_column in columns
+            else [None] * len(completions))
+    out = []
+    for i, (c, r, a) in enumerate(zip(completions, rows, refs)):
+        ref = _number_value(core.normalize(core.reference_answer(a))) if a is not None else None
+        out.append(step_credit(c, _step_list(r, i), answer=None if ref is None else ref[0], slack=slack))
+    return out

@@ -1,7 +1,9 @@
 """Verifiable chat problems with exact integer answers, for a real instruction-tuned model.
 
 Each row is one user turn asking for the final answer in `\\boxed{}` (the tokenizer's chat template,
-with its default system prompt, is applied by the trainer) and the integer `answer`. Problems are
+with its default system prompt, is applied by the trainer), the integer `answer` and `steps`, the
+intermediate results of a three-operand problem (its first partial sum; empty otherwise; what the
+`step_values` reward reads). Problems are
 two- or three-operand arithmetic (`+`, `-`; the harder split also `*` by a one-digit factor) and short
 word problems.
 
@@ -26,52 +28,55 @@ NAMES = ["Ana", "Ben", "Chloe", "Dev", "Emma", "Farid", "Grace", "Hugo", "Iris",
 ITEMS = ["apples", "books", "coins", "marbles", "pencils", "stickers", "cards", "shells"]
 
 
-def _arith2(rng: random.Random, lo: int, hi: int, ops: str) -> tuple[str, int]:
+Problem = tuple[str, int, list[int]]   # question, answer, intermediate results (the `steps` column)
+
+
+def _arith2(rng: random.Random, lo: int, hi: int, ops: str) -> Problem:
     a, b = rng.randint(lo, hi), rng.randint(lo, hi)
     op = rng.choice(ops)
     if op == "*":
         b = rng.randint(2, 9)
-        return f"What is {a} * {b}?", a * b
+        return f"What is {a} * {b}?", a * b, []
     if op == "-":
         a, b = max(a, b), min(a, b)
-        return f"What is {a} - {b}?", a - b
-    return f"What is {a} + {b}?", a + b
+        return f"What is {a} - {b}?", a - b, []
+    return f"What is {a} + {b}?", a + b, []
 
 
-def _arith3(rng: random.Random, lo: int, hi: int) -> tuple[str, int]:
+def _arith3(rng: random.Random, lo: int, hi: int) -> Problem:
     a, b, c = (rng.randint(lo, hi) for _ in range(3))
     op1, op2 = rng.choice("+-"), rng.choice("+-")
-    value = a + b if op1 == "+" else a - b
-    value = value + c if op2 == "+" else value - c
+    first = a + b if op1 == "+" else a - b
+    value = first + c if op2 == "+" else first - c
     if value < 0:                       # keep answers non-negative: flip to all-plus
         op1 = op2 = "+"
-        value = a + b + c
-    return f"What is {a} {op1} {b} {op2} {c}?", value
+        first, value = a + b, a + b + c
+    return f"What is {a} {op1} {b} {op2} {c}?", value, [first]
 
 
-def _word(rng: random.Random, lo: int, hi: int, three: bool) -> tuple[str, int]:
+def _word(rng: random.Random, lo: int, hi: int, three: bool) -> Problem:
     who, item = rng.choice(NAMES), rng.choice(ITEMS)
     a, b = rng.randint(lo, hi), rng.randint(lo, hi)
     if three:
         c = rng.randint(lo, hi)
         return (f"{who} has {a} {item}, buys {b} more and then finds {c} more. "
-                f"How many {item} does {who} have now?", a + b + c)
+                f"How many {item} does {who} have now?", a + b + c, [a + b])
     if rng.random() < 0.5:
-        return f"{who} has {a} {item} and gets {b} more. How many {item} does {who} have now?", a + b
+        return f"{who} has {a} {item} and gets {b} more. How many {item} does {who} have now?", a + b, []
     a, b = max(a, b), min(a, b)
-    return f"{who} has {a} {item} and gives away {b}. How many {item} does {who} have left?", a - b
+    return f"{who} has {a} {item} and gives away {b}. How many {item} does {who} have left?", a - b, []
 
 
-def _problem(rng: random.Random, lo: int, hi: int, three_frac: float, word_frac: float, ops: str) -> tuple[str, int]:
+def _problem(rng: random.Random, lo: int, hi: int, three_frac: float, word_frac: float, ops: str) -> Problem:
     three = rng.random() < three_frac
     if rng.random() < word_frac:
         return _word(rng, lo, hi, three)
     return _arith3(rng, lo, hi) if three else _arith2(rng, lo, hi, ops)
 
 
-def row(question: str, answer: int, split: str) -> dict:
+def row(question: str, answer: int, split: str, steps: list[int] | None = None) -> dict:
     return {"prompt": [{"role": "user", "content": f"{question} {INSTRUCTION}"}],
-            "answer": str(answer), "question": question, "split": split}
+            "answer": str(answer), "steps": [str(v) for v in steps or []], "question": question, "split": split}
 
 
 @dataclass
@@ -100,10 +105,10 @@ class ChatArithTask:
                 tries += 1
                 if tries > 100 * n + 1000:
                     raise ValueError(f"cannot draw {n} distinct {split} problems from operands {lo}..{hi}")
-                q, a = _problem(rng, lo, hi, three, self.word_frac, ops)
+                q, a, steps = _problem(rng, lo, hi, three, self.word_frac, ops)
                 if q not in seen:
                     seen.add(q)
-                    rows.append(row(q, a, split))
+                    rows.append(row(q, a, split, steps))
             return rows
 
         # held-out splits first, so the training split is whatever remains distinct from them

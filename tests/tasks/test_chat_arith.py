@@ -64,3 +64,20 @@ def test_write_round_trips(tmp_path, task):
     paths = task.write(tmp_path)
     for name, rows in task.splits().items():
         assert [json.loads(x) for x in paths[name].read_text().splitlines()] == rows
+
+
+def test_steps_are_the_first_partial_result_of_three_operand_problems(task):
+    """Worked again from the question: the value after the first operator for three operands
+    ("What is 24 - 5 + 19?" -> 19; "has 9, buys 9 more and then finds 22 more" -> 18), none otherwise."""
+    n_three = 0
+    for rows in task.splits().values():
+        for r in rows:
+            nums = [int(x) for x in re.findall(r"\d+", r["question"])]
+            if len(nums) == 3:
+                n_three += 1
+                ops = re.findall(r" ([-+]) ", r["question"]) or ["+"]
+                want = nums[0] + nums[1] if ops[0] == "+" else nums[0] - nums[1]
+                assert r["steps"] == [str(want)], r
+            else:
+                assert r["steps"] == [], r
+    assert n_three > 50
