@@ -234,6 +234,20 @@ def _number_value(ans: str) -> tuple[float, str] | None:
     return (v, kind) if v == v and abs(v) != float("inf") else None
 
 
+def final_number(completion) -> tuple[float, str] | None:
+    """The completion's final answer, extracted as `math_accuracy` extracts it, as (value, kind)
+    when it is written as one number; None when it is missing, hedged (several different answers,
+    a candidate list) or not one number."""
+    ex = extract_answer(completion if isinstance(completion, str) else str(completion))
+    answers = {core.squash(n): n for n in (core.normalize(x) for x in ex.answers) if n}
+    if len(answers) != 1 or ex.hedged:
+        return None
+    ans = next(iter(answers.values()))
+    if len(ans) > core.MAX_ANSWER_CHARS or _DISJ.search(ans):
+        return None
+    return _number_value(ans)
+
+
 def closeness(completion: str, reference, *, scale: float = 1.0) -> float | None:
     """1 / (1 + |x - a| / scale) for the completion's final answer x and a numeric reference a;
     1.0 exactly when x = a. 0.0 when the answer is missing, hedged (several different answers, a
@@ -244,14 +258,7 @@ def closeness(completion: str, reference, *, scale: float = 1.0) -> float | None
     ref = _number_value(core.normalize(core.reference_answer(reference)))
     if ref is None:
         return None
-    ex = extract_answer(completion if isinstance(completion, str) else str(completion))
-    answers = {core.squash(n): n for n in (core.normalize(x) for x in ex.answers) if n}
-    if len(answers) != 1 or ex.hedged:
-        return 0.0
-    ans = next(iter(answers.values()))
-    if len(ans) > core.MAX_ANSWER_CHARS or _DISJ.search(ans):
-        return 0.0
-    got = _number_value(ans)
+    got = final_number(completion)
     if got is None or (got[1] == "ratio" and ref[1] == "int"):   # as `strict_numbers`: 70/2 for 35 is no answer
         return 0.0
     return 1.0 / (1.0 + abs(got[0] - ref[0]) / scale)
@@ -309,16 +316,6 @@ def stated_values(completion: str) -> list[float]:
     return out
 
 
-def _final_value(completion: str) -> float | None:
-    """The completion's final answer as `math_accuracy` extracts it, if it is one number."""
-    ex = extract_answer(completion)
-    answers = {core.squash(n): n for n in (core.normalize(x) for x in ex.answers) if n}
-    if len(answers) != 1 or ex.hedged:
-        return None
-    got = _number_value(next(iter(answers.values())))
-    return None if got is None else got[0]
-
-
 def step_credit(completion: str, steps: list[float], *, answer: float | None = None, slack: int = 2) -> float:
     """Fraction of the reference steps stated as the result of an equation in the completion; 0.0
     when the completion states more than len(steps) + 1 + slack distinct results (listing numbers
@@ -331,9 +328,10 @@ def step_credit(completion: str, steps: list[float], *, answer: float | None = N
     stated = set(stated_values(text))
     if len(stated) > len(steps) + 1 + slack:
         return 0.0
-    final = _final_value(text)
+    got = final_number(text)
+    final = None if got is None else got[0]
     close = lambda a, b: a is not None and b is not None and abs(a - b) < 1e-9  # noqa: E731
-    want = [w for w in dict.fromkeys(steps)]
+    want = list(dict.fromkeys(steps))
     return sum(any(close(s, w) for s in stated) and (not close(final, w) or close(w, answer))
                for w in want) / len(want)
 
@@ -345,9 +343,9 @@ def step_values(prompts, completions, *, steps_column: str = "steps", answer_col
     reference's partial sums; GSM8K's `<<48/2=24>>` annotations): the fraction of a row's
     reference steps that the completion states as the result of an equation ("24 - 5 = 19"), not
     counting a step that is also the final answer (a stop halfway; the reference answer in
-    `answer_column`, if the dataset has it, is exempt). Rows without steps score 0.0, so a group of them is not ranked by this term. A completion
-    that states more than len(steps) + 1 + `slack` distinct results scores 0.0 (a list of numbers
-    is no way to collect it). A shaping term beside `math_accuracy`: a right step followed by a
+    `answer_column`, if the dataset has it, is exempt). Rows without steps score 0.0, so a group
+    of them is not ranked by this term. A completion that states more than len(steps) + 1 +
+    `slack` distinct results scores 0.0 (a list of numbers is no way to collect it). A shaping term beside `math_accuracy`: a right step followed by a
     wrong final answer still loses to a right answer."""
     if not (isinstance(slack, int) and slack >= 0):
         raise ValueError(f"step_values: slack must be an integer >= 0, got {slack!r}")
