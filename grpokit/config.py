@@ -244,6 +244,11 @@ class RolloutConfig(_Section):
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal and refill the batch with
     fresh prompts, up to `max_sampling_rounds` generation rounds."""
+    dynamic_sampling_on: Literal["reward", "pass"] = "reward"
+    """What a group kept by dynamic sampling must vary in: `reward`, the total reward (a group whose
+    answers differ only in a shaping term, e.g. a format reward, is kept); `pass`, whether each
+    completion passes the first reward at `algorithm.pass_threshold` (DAPO's Eq. 11, 0 < #correct
+    < G): only groups holding both right and wrong answers train."""
     max_sampling_rounds: int = Field(3, ge=1)
     """Generation rounds per step with dynamic sampling (the batch may stay short after them)."""
     vllm: VLLMConfig = VLLMConfig()

@@ -86,7 +86,10 @@ class Trainer:
         cur = cfg.data.curriculum
         self.curriculum = (Curriculum(start=cur.start, end=cur.end, ramp_steps=cur.ramp_steps, pool_factor=cur.pool_factor,
                                       ema=cur.ema, prior=cur.prior, prior_field=cur.prior_field) if cur.enabled else None)
-        self.dynamic = DynamicSampling() if cfg.rollout.dynamic_sampling else None
+        self.dynamic = None
+        if cfg.rollout.dynamic_sampling:
+            on_pass = cfg.rollout.dynamic_sampling_on == "pass"
+            self.dynamic = DynamicSampling(cfg.rewards[0].name if on_pass else None, cfg.algorithm.pass_threshold)
         self.transforms = build_transforms(cfg, tokenizer=tokenizer, curriculum=self.curriculum)
         self.overlap = (OneStepOffPolicy(self.engine, lambda: self.draw_prompts(cfg.prompts_per_step),
                                          self.encode_prompts, self.sampling_params(), self.gen)

@@ -47,12 +47,21 @@ def passed(batch: Batch, reward_name: str, threshold: float) -> list[bool]:
 
 class DynamicSampling:
     """Keep only groups whose rewards are not all equal (they carry no advantage signal), at most
-    `want` groups; the driver samples more prompts while fewer are kept."""
+    `want` groups; the driver samples more prompts while fewer are kept. With `reward_name`, a group
+    must instead hold completions that pass that reward at `threshold` and completions that do not
+    (DAPO's Eq. 11); completions without a total reward count in neither."""
 
     name = "dynamic_sampling"
 
+    def __init__(self, reward_name: str | None = None, threshold: float = 1.0):
+        self.reward_name, self.threshold = reward_name, threshold
+
     def __call__(self, batch: Batch, ctx: StepContext, want: int | None = None) -> Batch:
-        flat = zero_variance_groups(batch.rewards.tolist(), batch.group_id.tolist())
+        values = batch.rewards.tolist()
+        if self.reward_name is not None:
+            ok = passed(batch, self.reward_name, self.threshold)
+            values = [float(p) if math.isfinite(v) else v for p, v in zip(ok, values)]
+        flat = zero_variance_groups(values, batch.group_id.tolist())
         keep = set([g for g, z in flat.items() if not z][:want])
         return select(batch, [i for i, g in enumerate(batch.group_id.tolist()) if g in keep])
 

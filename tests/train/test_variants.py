@@ -22,6 +22,13 @@ if "test_one_group_varies" not in REGISTRY:
         return [float(i % 2) if int(p.split("+")[0]) % 2 == 0 else 1.0 for i, p in enumerate(prompts)]
 
 
+if "test_every_group_varies" not in REGISTRY:
+    @register("test_every_group_varies")
+    def _every_group_varies(prompts, completions, **columns):
+        """A shaping term that differs inside every group."""
+        return [float(i % 4) for i in range(len(prompts))]
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("variants")
@@ -47,6 +54,28 @@ def test_dynamic_sampling_refills_and_stops_at_the_round_limit(setup):
     tr.sampler.next(0)
     batch, info = tr.collect()
     assert info["dynamic/rounds"] == 3 and info["dynamic/kept_groups"] == 0 and len(batch) == 16
+
+
+@pytest.mark.parametrize("on", ["reward", "pass"])
+def test_dynamic_sampling_on_the_total_reward_or_on_passing(setup, on):
+    """A shaping term that varies in every group keeps every group when the total reward decides;
+    on `pass` (DAPO's Eq. 11) only the groups with right and wrong answers by the first reward stay."""
+    root, model_dir, train = setup
+    cfg = load_config(None, small_overrides(model_dir, train, root / f"dyn-{on}", **{
+        "rollout.dynamic_sampling": True, "rollout.max_sampling_rounds": 8, "rollout.dynamic_sampling_on": on,
+        "algorithm.pass_threshold": 1.0,
+        "rewards": "[{name: test_one_group_varies}, {name: test_every_group_varies, weight: 0.1}]"}))
+    tr = build_trainer(cfg, health=False)
+    batch, info = tr.collect()
+    even = [int(tr.dataset[int(batch.prompt_index[rows[0]])]["prompt"].split("+")[0]) % 2 == 0
+            for rows in batch.group_rows()]
+    assert len(even) == 4
+    if on == "pass":
+        assert all(even)
+    else:
+        assert info["dynamic/rounds"] == 1                     # the first round's groups all vary
+    with pytest.raises(Exception, match="dynamic_sampling_on"):
+        load_config(None, small_overrides(model_dir, train, root / "dyn-bad", **{"rollout.dynamic_sampling_on": "loss"}))
 
 
 def test_reference_dropout_changes_reference_logprobs_only_while_active(setup):
