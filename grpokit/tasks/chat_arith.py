@@ -9,7 +9,10 @@ word problems.
 
 Three splits, drawn from one seeded generator:
 - `train`: what GRPO samples from;
-- `heldout`: the same distribution, never trained on (no question text appears in both);
+- `heldout`: the same generator, never trained on (no question text appears in both). Every split
+  holds distinct problems, so where the two-operand ones run out (~1,300 with the defaults) the
+  training split's mix leans to three operands and words (about 21% and 30% of 2,000 problems,
+  against 14% and 20% held out);
 - `harder`: larger operands (from `high + 1` to `hard_high`), half of them with three operands, and
   products by a one-digit factor: what generalises beyond the training distribution.
 Answers are never negative (a subtraction's operands are ordered), so a missing minus sign cannot

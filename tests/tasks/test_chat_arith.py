@@ -81,3 +81,18 @@ def test_steps_are_the_first_partial_result_of_three_operand_problems(task):
             else:
                 assert r["steps"] == [], r
     assert n_three > 50
+
+
+def test_the_recipe_finds_its_reward_columns_in_the_task():
+    """examples/smollm2.yaml trains on this task: every reward it names, and `step_values` (trials N
+    and O of docs/example.md), finds its columns."""
+    from pathlib import Path
+
+    from grpokit.config import load_config
+    from grpokit.rewards import check_columns
+
+    recipe = Path(__file__).resolve().parents[2] / "examples" / "smollm2.yaml"
+    cfg = load_config([str(recipe)], ["model.path=unused", "data.path=unused.jsonl"])
+    rows = ChatArithTask(seed=0, train_size=50).train
+    check_columns(cfg.rewards, rows, "train")
+    check_columns([{"name": "step_values", "args": {}}], rows, "train")
