@@ -3,9 +3,8 @@
 Each row is one user turn asking for the final answer in `\\boxed{}` (the tokenizer's chat template,
 with its default system prompt, is applied by the trainer), the integer `answer` and `steps`, the
 intermediate results of a three-operand problem (its first partial sum; empty otherwise; what the
-`step_values` reward reads). Problems are
-two- or three-operand arithmetic (`+`, `-`; the harder split also `*` by a one-digit factor) and short
-word problems.
+`step_values` reward reads). Problems are two- or three-operand arithmetic (`+`, `-`; the harder
+split also `*` by a one-digit factor) and short word problems.
 
 Three splits, drawn from one seeded generator:
 - `train`: what GRPO samples from;
