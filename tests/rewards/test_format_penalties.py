@@ -166,7 +166,7 @@ def test_exact_and_numeric_match():
 
 # --------------------------------------------------------------------------- every registered reward
 
-STANDARD = dict(answer=["4", "5"], tests=["assert True", "assert True"], completion_length=[3, 4],
+STANDARD = dict(answer=["4", "5"], tests=["assert True", "assert True"], steps=[["2"], []], completion_length=[3, 4],
                 finish_reason=["eos", "length"], group_id=[0, 0], max_new_tokens=[8, 8],
                 some_unknown_column=[{"x": 1}, None])
 
