@@ -234,6 +234,11 @@ def _number_value(ans: str) -> tuple[float, str] | None:
     return (v, kind) if v == v and abs(v) != float("inf") else None
 
 
+def reference_number(reference) -> tuple[float, str] | None:
+    """A reference answer (GSM8K "#### 12" too) as (value, kind) when it is one number, else None."""
+    return None if reference is None else _number_value(core.normalize(core.reference_answer(reference)))
+
+
 def final_number(completion) -> tuple[float, str] | None:
     """The completion's final answer, extracted as `math_accuracy` extracts it, as (value, kind)
     when it is written as one number; None when it is missing, hedged (several different answers,
@@ -253,9 +258,7 @@ def closeness(completion: str, reference, *, scale: float = 1.0) -> float | None
     1.0 exactly when x = a. 0.0 when the answer is missing, hedged (several different answers, a
     candidate list) or not written as one number (a fraction answers a fraction or a decimal, not
     an integer); None when the reference is not one number."""
-    if reference is None:
-        return None
-    ref = _number_value(core.normalize(core.reference_answer(reference)))
+    ref = reference_number(reference)
     if ref is None:
         return None
     got = final_number(completion)
@@ -328,12 +331,14 @@ def step_credit(completion: str, steps: list[float], *, answer: float | None = N
     stated = set(stated_values(text))
     if len(stated) > len(steps) + 1 + slack:
         return 0.0
-    got = final_number(text)
-    final = None if got is None else got[0]
     close = lambda a, b: a is not None and b is not None and abs(a - b) < 1e-9  # noqa: E731
     want = list(dict.fromkeys(steps))
-    return sum(any(close(s, w) for s in stated) and (not close(final, w) or close(w, answer))
-               for w in want) / len(want)
+    hit = [w for w in want if any(close(s, w) for s in stated)]
+    if not hit:
+        return 0.0
+    got = final_number(text)            # read only when a step was stated: the stop-halfway rule
+    final = None if got is None else got[0]
+    return sum(not close(final, w) or close(w, answer) for w in hit) / len(want)
 
 
 @register("step_values", columns=["{steps_column}"])
@@ -345,8 +350,9 @@ def step_values(prompts, completions, *, steps_column: str = "steps", answer_col
     counting a step that is also the final answer (a stop halfway; the reference answer in
     `answer_column`, if the dataset has it, is exempt). Rows without steps score 0.0, so a group
     of them is not ranked by this term. A completion that states more than len(steps) + 1 +
-    `slack` distinct results scores 0.0 (a list of numbers is no way to collect it). A shaping term beside `math_accuracy`: a right step followed by a
-    wrong final answer still loses to a right answer."""
+    `slack` distinct results scores 0.0 (a list of numbers is no way to collect it). A shaping
+    term beside `math_accuracy`: a right step followed by a wrong final answer still loses to a
+    right answer."""
     if not (isinstance(slack, int) and slack >= 0):
         raise ValueError(f"step_values: slack must be an integer >= 0, got {slack!r}")
     rows = read_column("step_values", steps_column, columns, len(completions))
@@ -354,6 +360,6 @@ def step_values(prompts, completions, *, steps_column: str = "steps", answer_col
             else [None] * len(completions))
     out = []
     for i, (c, r, a) in enumerate(zip(completions, rows, refs)):
-        ref = _number_value(core.normalize(core.reference_answer(a))) if a is not None else None
+        ref = reference_number(a)
         out.append(step_credit(c, _step_list(r, i), answer=None if ref is None else ref[0], slack=slack))
     return out

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from grpokit.config import load_config
+from grpokit.errors import ConfigError
 from grpokit.rewards import REGISTRY, register
 from grpokit.train import build_trainer
 from grpokit.train.dropout import hidden_dropout
@@ -74,7 +75,7 @@ def test_dynamic_sampling_on_the_total_reward_or_on_passing(setup, on):
         assert all(even)
     else:
         assert info["dynamic/rounds"] == 1                     # the first round's groups all vary
-    with pytest.raises(Exception, match="dynamic_sampling_on"):
+    with pytest.raises(ConfigError, match="dynamic_sampling_on"):
         load_config(None, small_overrides(model_dir, train, root / "dyn-bad", **{"rollout.dynamic_sampling_on": "loss"}))
 
 
