@@ -7,11 +7,12 @@ intermediate results of a three-operand problem (its first partial sum; empty ot
 split also `*` by a one-digit factor) and short word problems.
 
 Three splits, drawn from one seeded generator:
-- `train`: what GRPO samples from;
-- `heldout`: the same generator, never trained on (no question text appears in both). Every split
-  holds distinct problems, so where the two-operand ones run out (~1,300 with the defaults) the
-  training split's mix leans to three operands and words (about 21% and 30% of 2,000 problems,
-  against 14% and 20% held out);
+- `train`: what GRPO samples from: the held-out split's distribution minus the held-out problems.
+  Its problems may repeat, so its mix is the held-out one even where distinct two-operand problems
+  run out (~1,300 with the defaults);
+- `heldout`: distinct problems, never trained on (no question text appears in both);
+- `valid` (only with `valid_size` > 0): like `heldout`, distinct from it and never trained on either:
+  a split to choose a policy by (`train.keep_best`), so that `heldout` stays unseen by every choice;
 - `harder`: larger operands (from `high + 1` to `hard_high`), half of them with three operands, and
   products by a one-digit factor: what generalises beyond the training distribution.
 Answers are never negative (a subtraction's operands are ordered), so a missing minus sign cannot
@@ -89,6 +90,7 @@ class ChatArithTask:
     train_size: int = 2000
     heldout_size: int = 64
     harder_size: int = 64
+    valid_size: int = 0           # 0: no validation split (and the training split as without one)
     low: int = 2
     high: int = 30
     hard_high: int = 99
@@ -101,7 +103,7 @@ class ChatArithTask:
         rng = random.Random(self.seed)
         seen: set[str] = set()
 
-        def draw(n: int, split: str, lo: int, hi: int, three: float, ops: str) -> list[dict]:
+        def draw(n: int, split: str, lo: int, hi: int, three: float, ops: str, distinct: bool = True) -> list[dict]:
             rows, tries = [], 0
             while len(rows) < n:
                 tries += 1
@@ -109,17 +111,24 @@ class ChatArithTask:
                     raise ValueError(f"cannot draw {n} distinct {split} problems from operands {lo}..{hi}")
                 q, a, steps = _problem(rng, lo, hi, three, self.word_frac, ops)
                 if q not in seen:
-                    seen.add(q)
+                    if distinct:
+                        seen.add(q)
                     rows.append(row(q, a, split, steps))
             return rows
 
-        # held-out splits first, so the training split is whatever remains distinct from them
+        # held-out splits (and the validation split) first, each of distinct problems; then the
+        # training split, drawn from the same distribution minus those problems. Its problems may
+        # repeat: there are only ~1,300 distinct two-operand ones, and insisting on distinct
+        # training problems would skew its mix towards three operands and words (21% and 30% of
+        # 2,000 against the held-out split's 14% and 20%).
         self.heldout = draw(self.heldout_size, "heldout", self.low, self.high, self.three_frac, "+-")
         self.harder = draw(self.harder_size, "harder", self.high + 1, self.hard_high, 0.5, "+-*")
-        self.train = draw(self.train_size, "train", self.low, self.high, self.three_frac, "+-")
+        self.valid = draw(self.valid_size, "valid", self.low, self.high, self.three_frac, "+-")
+        self.train = draw(self.train_size, "train", self.low, self.high, self.three_frac, "+-", distinct=False)
 
     def splits(self) -> dict[str, list[dict]]:
-        return {"train": self.train, "heldout": self.heldout, "harder": self.harder}
+        out = {"train": self.train, "heldout": self.heldout, "harder": self.harder}
+        return {**out, "valid": self.valid} if self.valid_size else out
 
     def write(self, out_dir: str | Path) -> dict[str, Path]:
         """Write `<split>.jsonl` files into `out_dir`; returns their paths by split."""
