@@ -466,6 +466,14 @@ class TrainConfig(_Section):
     0 = only before the first step (logged as step 0) and after the last."""
     eval_samples: int = Field(0, ge=0)
     """Sampled completions per eval prompt for `eval/mean@k` (0 = greedy only)."""
+    keep_best: bool = False
+    """End the run with the policy of the best `eval/pass@1` on `data.eval_path` (evaluated before
+    the first step, every `train.eval_every` steps and after the last; on a tie the later), not the
+    last step's: early stopping on a validation split. The best policy is also written to
+    RUN_DIR/best/ (a Hugging Face directory; `best.json` names its step and score); checkpoints keep
+    the last policy, so `--resume` goes on from there. The split must be drawn like the training
+    data and must not be the one you report: choosing by it biases its own score upwards. One
+    process only."""
     sample_every: int = Field(10, ge=0)
     """Write completions to RUN_DIR/samples every N steps (0 = never)."""
     tensorboard: bool | None = None
@@ -616,6 +624,9 @@ class Config(_Section):
                              "(vLLM cannot exclude the over-confident token); use engine hf or hf_copy")
         if self.algorithm.dual_clip is not None and self.algorithm.dual_clip <= 1:
             raise ValueError("algorithm.dual_clip must be > 1")
+        if self.train.keep_best and self.train.eval_every == 0:
+            raise ValueError("train.keep_best chooses among evaluations: set train.eval_every > 0 "
+                             "(and data.eval_path, the validation split)")
         if self.lora.load_in_4bit and not self.lora.enabled:
             raise ValueError("lora.load_in_4bit needs lora.enabled=true (4-bit base weights cannot be trained directly)")
         if self.algorithm.length_buckets is not None and self.algorithm.bucket_mode == "quantiles":

@@ -168,7 +168,7 @@ def _prune(root: Path, keep_last: int, keep_healthy: int = 1) -> None:
 
 
 EARLIER_RUN_OUTPUT = ("checkpoints", "metrics.jsonl", "guard.jsonl", "alarms.jsonl", "disagreements.jsonl",
-                      "samples", "report.html", "tb", "config.yaml")
+                      "samples", "report.html", "tb", "config.yaml", "best")
 """What a run writes into its run directory; on a fresh start these belong to an earlier run and are
 moved aside (`set_aside_earlier_run`). Checkpoints first: once they are gone, a `--resume` can no
 longer pick up the earlier run, whatever else a kill leaves behind."""

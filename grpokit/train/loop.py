@@ -99,6 +99,10 @@ class Trainer:
         self.last_batch: Batch | None = None          # the last step's batch (sample dumps)
         self.clock = time.monotonic                   # for time-based checkpoints
         self.saved_at = (-1, self.clock())            # (step, clock) of the last checkpoint
+        self.best: dict | None = None                 # train.keep_best: {"step", "score"} of RUN_DIR/best
+        if cfg.train.keep_best and (eval_dataset is None or self.dp is not None):
+            raise ConfigError("train.keep_best needs a validation split (data.eval_path) and one process"
+                              if eval_dataset is None else "train.keep_best runs in one process only")
 
     model = property(lambda self: self.worker.model)
     reference = property(lambda self: self.worker.reference)
@@ -412,6 +416,8 @@ class Trainer:
         self.sync_weights(version=self.step_idx)     # a restarted engine gets the checkpoint's weights
         self.saved_at = (self.step_idx, self.clock())
         self.run.resumed(self.step_idx)
+        if self.cfg.train.keep_best:                 # RUN_DIR/best holds the best policy evaluated so far
+            self.best = self.run.read_best()
         log.info("resumed from %s (step %d)", ck, self.step_idx)
         return True
 
@@ -428,7 +434,7 @@ class Trainer:
                 log.warning(line)
         if self.cfg.train.save_every or self.cfg.train.save_every_minutes:
             self.save()                  # step 0: a healthy point to roll back to
-        if self.cfg.train.eval_every == 0 and self.eval_dataset is not None:
+        if (self.cfg.train.eval_every == 0 or self.cfg.train.keep_best) and self.eval_dataset is not None:
             baseline = self.run_eval()   # held-out accuracy before training
             if baseline:
                 self.run.sink.write(0, baseline)
@@ -442,9 +448,35 @@ class Trainer:
     def run_eval(self) -> dict:
         if self.eval_dataset is None:
             return {}
-        return held_out(self.engine, self.encoder, self.rewards, self.eval_dataset, self.cfg,
-                        seed=self.cfg.train.seed * 1_000_003 + self.step_idx, step=self.step_idx,
-                        device=self.gen.device)
+        out = held_out(self.engine, self.encoder, self.rewards, self.eval_dataset, self.cfg,
+                       seed=self.cfg.train.seed * 1_000_003 + self.step_idx, step=self.step_idx,
+                       device=self.gen.device)
+        if self.cfg.train.keep_best:
+            self.consider_best(out.get("eval/pass@1"))
+        return out
+
+    def consider_best(self, score: float | None) -> None:
+        """`train.keep_best`: the policy now is the best so far when its validation score is at least
+        the best one's (a tie goes to the later, more trained policy); then it is written to
+        RUN_DIR/best/. A failed evaluation (None, NaN) is never the best."""
+        if score is None or not math.isfinite(score):
+            return
+        if self.best is None or score >= self.best["score"]:
+            self.run.save_best(self.step_idx, self.worker, self.tokenizer, score)
+            self.best = {"step": self.step_idx, "score": score}
+
+    def restore_best(self) -> None:
+        """`train.keep_best`, at the end of a run: the policy becomes RUN_DIR/best/'s (the checkpoints
+        keep the last one) and the rollout engine gets its weights."""
+        if self.best is None or self.best["step"] == self.step_idx:
+            if self.best is not None:
+                log.info("keep_best: the last policy (step %d) is the best (eval/pass@1 %.3f)",
+                         self.step_idx, self.best["score"])
+            return
+        self.worker.load_weights(self.run.path / "best")
+        self.sync_weights(version=self.best["step"])
+        log.info("keep_best: ending with step %d's policy (eval/pass@1 %.3f; RUN_DIR/best), not step %d's",
+                 self.best["step"], self.best["score"], self.step_idx)
 
     def write_samples(self) -> None:
         if self.last_batch is not None:  # None: the step's rollout was skipped by the guard
@@ -464,7 +496,10 @@ class Trainer:
         while self.step_idx < cfg.train.steps:
             metrics = self.step()
             self.step_idx += 1
-            if self.eval_due():
+            out_of_time = bool(cfg.train.max_minutes) and self.clock() - started >= 60 * cfg.train.max_minutes
+            if self.dp is not None:                   # clocks differ: every rank stops after the same step
+                out_of_time = self.dp.any(out_of_time)
+            if self.eval_due() or (out_of_time and cfg.train.keep_best):   # keep_best: the last policy too
                 metrics.update(self.run_eval())
             self.run.sink.write(self.step_idx, metrics)
             if self.health is not None:
@@ -477,9 +512,8 @@ class Trainer:
                 progress(self.step_idx, metrics)
             last = metrics
             stop = self.health is not None and getattr(self.health, "should_stop", False)
-            out_of_time = bool(cfg.train.max_minutes) and self.clock() - started >= 60 * cfg.train.max_minutes
-            if self.dp is not None:                   # rank 0 monitors, clocks differ: every rank stops together
-                stop, out_of_time = self.dp.any(stop), self.dp.any(out_of_time)
+            if self.dp is not None:                   # rank 0 monitors: every rank stops together
+                stop = self.dp.any(stop)
             if stop:
                 log.warning("stopping: a health alarm configured to stop fired")
                 break
@@ -488,6 +522,8 @@ class Trainer:
                 break
         if self.saved_at[0] != self.step_idx:
             self.save()
+        if cfg.train.keep_best:
+            self.restore_best()
         self.run.close()
         if self.health is not None:
             log.info("health: %s", self.health.summary())

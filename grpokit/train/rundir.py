@@ -6,6 +6,7 @@ RUN_DIR/
   guard.jsonl          the non-finite guard's skips and rollbacks
   samples/step_N.jsonl prompts, completions, rewards and advantages of a step
   checkpoints/step_N   atomic checkpoints (grpokit.train.checkpoint); HEALTHY names the last sound one
+  best/                with `train.keep_best`: the policy of the best validation score (best.json)
   previous/<time>/     an earlier run's output, moved aside by a fresh start (never deleted)
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 from grpokit.config import dump_config
@@ -108,6 +110,37 @@ class RunDir:
                                      healthy=healthy)
         self._barrier()
         return ckpt_lib.checkpoint_path(self.path, step)
+
+    def save_best(self, step: int, worker, tokenizer, score: float) -> Path:
+        """RUN_DIR/best/: the policy as a Hugging Face directory and `best.json` ({step, score}),
+        written into a temporary folder and then swapped in (a kill leaves the earlier best in
+        `best/` or `.old_best/`)."""
+        final, tmp = self.path / "best", self.path / ".tmp_best"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        worker.save_weights(tmp, merged=self.cfg.lora.save == "merged")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (tmp / "best.json").write_text(json.dumps({"step": step, "score": score}) + "\n")
+        old = self.path / ".old_best"
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def read_best(self) -> dict | None:
+        """RUN_DIR/best/best.json ({step, score}), or None when there is no best policy yet."""
+        path = self.path / "best" / "best.json"
+        if not path.is_file():
+            return None
+        try:
+            best = json.loads(path.read_text())
+            return {"step": int(best["step"]), "score": float(best["score"])}
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("%s unreadable (%s); the best policy is chosen afresh", path, e)
+            return None
 
     def event(self, row: dict) -> None:
         if not self.writer:
