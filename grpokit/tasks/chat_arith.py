@@ -6,13 +6,15 @@ intermediate results of a three-operand problem (its first partial sum; empty ot
 `step_values` reward reads). Problems are two- or three-operand arithmetic (`+`, `-`; the harder
 split also `*` by a one-digit factor) and short word problems.
 
-Three splits, drawn from one seeded generator:
-- `train`: what GRPO samples from: the held-out split's distribution minus the held-out problems.
-  Its problems may repeat, so its mix is the held-out one even where distinct two-operand problems
-  run out (~1,300 with the defaults);
-- `heldout`: distinct problems, never trained on (no question text appears in both);
-- `valid` (only with `valid_size` > 0): like `heldout`, distinct from it and never trained on either:
-  a split to choose a policy by (`train.keep_best`), so that `heldout` stays unseen by every choice;
+The splits, drawn from one seeded generator:
+- `train`: what GRPO samples from, never a held-out problem. Its problems are distinct, and as
+  there are only ~1,300 distinct two-operand ones (with the defaults), a large split's mix leans to
+  three operands and words (about 21% and 30% of 2,000 problems, against 14% and 20% held out);
+  with `train_repeats` problems may repeat and the mix is the held-out one;
+- `heldout`: distinct problems from the same generator, never trained on (no question in both);
+- `valid` (only with `valid_size` > 0): like `heldout`, drawn after the others and distinct from all
+  of them: a split to choose a policy by (`train.keep_best`), so that `heldout` stays unseen by
+  every choice. The other splits are the same with or without it;
 - `harder`: larger operands (from `high + 1` to `hard_high`), half of them with three operands, and
   products by a one-digit factor: what generalises beyond the training distribution.
 Answers are never negative (a subtraction's operands are ordered), so a missing minus sign cannot
@@ -90,7 +92,8 @@ class ChatArithTask:
     train_size: int = 2000
     heldout_size: int = 64
     harder_size: int = 64
-    valid_size: int = 0           # 0: no validation split (and the training split as without one)
+    valid_size: int = 0           # 0: no validation split
+    train_repeats: bool = False   # training problems may repeat (its mix is then the held-out one)
     low: int = 2
     high: int = 30
     hard_high: int = 99
@@ -116,15 +119,14 @@ class ChatArithTask:
                     rows.append(row(q, a, split, steps))
             return rows
 
-        # held-out splits (and the validation split) first, each of distinct problems; then the
-        # training split, drawn from the same distribution minus those problems. Its problems may
-        # repeat: there are only ~1,300 distinct two-operand ones, and insisting on distinct
-        # training problems would skew its mix towards three operands and words (21% and 30% of
-        # 2,000 against the held-out split's 14% and 20%).
+        # held-out splits first, so the training split is whatever remains distinct from them; the
+        # validation split last, so that adding it changes no other split
         self.heldout = draw(self.heldout_size, "heldout", self.low, self.high, self.three_frac, "+-")
         self.harder = draw(self.harder_size, "harder", self.high + 1, self.hard_high, 0.5, "+-*")
+        self.train = draw(self.train_size, "train", self.low, self.high, self.three_frac, "+-",
+                          distinct=not self.train_repeats)
+        seen.update(r["question"] for r in self.train)
         self.valid = draw(self.valid_size, "valid", self.low, self.high, self.three_frac, "+-")
-        self.train = draw(self.train_size, "train", self.low, self.high, self.three_frac, "+-", distinct=False)
 
     def splits(self) -> dict[str, list[dict]]:
         out = {"train": self.train, "heldout": self.heldout, "harder": self.harder}

@@ -176,3 +176,24 @@ def test_a_lora_policy_decodes_and_trains_on_the_lean_paths_as_peft_computes_it(
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
     got.sum().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "lora_A" in n)
+
+
+def test_the_example_chooses_its_final_policy_by_the_validation_split(gguf_file, tmp_path):
+    """examples/smollm2.py end to end, two short steps: the validation split is written apart from
+    the reported ones, evaluated before, during and after training, and the summary names the policy
+    the run ended with, which RUN_DIR/grpo/best holds."""
+    from examples.smollm2 import run
+
+    s = run(0, 2, None, str(tmp_path), ["rollout.batch_size=8", "rollout.group_size=4", "rollout.max_new_tokens=16",
+                                         "data.eval_size=4", "train.eval_every=1", "train.keep_best=true",
+                                         "rollout.dynamic_sampling=false"])
+    data = {n: [json.loads(x)["question"] for x in (tmp_path / "data" / f"{n}.jsonl").read_text().splitlines()]
+            for n in ("train", "valid", "heldout", "harder")}
+    assert not set(data["valid"]) & (set(data["train"]) | set(data["heldout"]))
+    rows = [json.loads(x) for x in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    evals = [(r["step"], r["eval/pass@1"]) for r in rows if "eval/pass@1" in r]
+    assert [e[0] for e in evals] == [0, 1, 2]
+    step, score = max(evals, key=lambda e: (e[1], e[0]))
+    assert s["final_policy"] == {"step": step, "valid_pass@1": score}
+    assert json.loads((tmp_path / "grpo" / "best" / "best.json").read_text()) == {"step": step, "score": score}
+    assert set(s["pass@1"]) == {"heldout", "harder"} and s["steps"] == 2

@@ -35,7 +35,7 @@ def test_answers_recompute_and_prompts_ask_for_a_box(task):
 def test_splits_are_disjoint_seeded_and_sized(task):
     q = {name: [r["question"] for r in rows] for name, rows in task.splits().items()}
     assert {k: len(v) for k, v in q.items()} == {"train": 500, "heldout": 64, "harder": 64}
-    assert len(set(q["heldout"])) == 64 and len(set(q["harder"])) == 64
+    assert all(len(set(v)) == len(v) for v in q.values())
     assert not set(q["train"]) & set(q["heldout"]) and not set(q["train"]) & set(q["harder"])
     again = ChatArithTask(seed=3, train_size=500, heldout_size=64, harder_size=64)
     assert again.splits() == task.splits()
@@ -48,7 +48,7 @@ def test_a_validation_split_is_held_out_from_training_and_from_heldout():
     q = {name: [r["question"] for r in rows] for name, rows in t.splits().items()}
     assert len(q["valid"]) == len(set(q["valid"])) == 64 and {r["split"] for r in t.valid} == {"valid"}
     assert not set(q["valid"]) & (set(q["train"]) | set(q["heldout"]) | set(q["harder"]))
-    assert t.heldout == plain.heldout and t.harder == plain.harder     # the reported splits stay as they were
+    assert t.splits() == {**plain.splits(), "valid": t.valid}          # every other split stays as it was
     assert "valid" not in plain.splits()
     assert max(int(x) for x in re.findall(r"\d+", " ".join(q["valid"]))) <= t.high
 
@@ -59,17 +59,18 @@ def kind(question: str) -> str:
     return "three" if len(re.findall(r"\d+", question)) == 3 else "two"
 
 
-def test_training_problems_follow_the_held_out_mix():
-    """The training split is drawn from the held-out split's distribution (its problems may repeat,
-    held-out ones never appear): word problems word_frac, three-operand arithmetic
-    (1 - word_frac) * three_frac, two-operand the rest, also where distinct two-operand problems run out."""
-    t = ChatArithTask(seed=5, train_size=6000, heldout_size=64)
+def test_with_repeats_training_problems_follow_the_held_out_mix():
+    """`train_repeats`: the training split is drawn from the held-out split's distribution (its
+    problems may repeat, held-out ones never appear): word problems word_frac, three-operand
+    arithmetic (1 - word_frac) * three_frac, two-operand the rest, also where distinct two-operand
+    problems run out; a validation split then excludes every training problem."""
+    t = ChatArithTask(seed=5, train_size=6000, heldout_size=64, train_repeats=True, valid_size=32)
     share = {k: sum(kind(r["question"]) == k for r in t.train) / len(t.train) for k in ("two", "three", "word")}
     want = {"word": t.word_frac, "three": (1 - t.word_frac) * t.three_frac}
     want["two"] = 1 - want["word"] - want["three"]
     assert all(abs(share[k] - want[k]) < 0.02 for k in want), (share, want)
     assert len({r["question"] for r in t.train}) < len(t.train)          # repeats, as the mix needs
-    assert not {r["question"] for r in t.train} & {r["question"] for r in t.heldout}
+    assert not {r["question"] for r in t.train} & {r["question"] for r in t.heldout + t.valid}
 
 
 def test_harder_split_has_larger_operands_and_more_of_three(task):
