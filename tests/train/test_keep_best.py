@@ -112,3 +112,18 @@ def test_keep_best_without_a_split_to_choose_by_is_refused(setup):
         load_config(None, small_overrides(model_dir, train, setup[0] / "x", **{"train.keep_best": True}))
     with pytest.raises(ConfigError, match="data.eval_path"):
         _trainer(setup, setup[0] / "y", **{"data.eval_path": ""})
+
+
+@pytest.mark.parametrize("save", ["adapter", "merged"])
+def test_a_lora_policy_is_kept_and_restored_in_either_save_form(setup, monkeypatch, save):
+    run = setup[0] / f"lora_{save}"
+    _scripted(monkeypatch, [0.1, 0.6, 0.2, 0.3])
+    t = _trainer(setup, run, **{"train.steps": 3, "lora.enabled": True, "lora.rank": 4, "lora.alpha": 8,
+                                "lora.save": save})
+    t.train()
+    assert t.best == {"step": 1, "score": 0.6}
+    final = _params(t.model)
+    load_weights(t.model, run / "checkpoints" / "step_000003")
+    assert not _same(final, _params(t.model))
+    load_weights(t.model, run / "checkpoints" / "step_000001")
+    assert _same(final, _params(t.model))
