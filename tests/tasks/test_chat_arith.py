@@ -48,9 +48,19 @@ def test_a_validation_split_is_held_out_from_training_and_from_heldout():
     q = {name: [r["question"] for r in rows] for name, rows in t.splits().items()}
     assert len(q["valid"]) == len(set(q["valid"])) == 64 and {r["split"] for r in t.valid} == {"valid"}
     assert not set(q["valid"]) & (set(q["train"]) | set(q["heldout"]) | set(q["harder"]))
-    assert t.splits() == {**plain.splits(), "valid": t.valid}          # every other split stays as it was
+    assert t.heldout == plain.heldout and t.harder == plain.harder     # the reported splits stay as they were
     assert "valid" not in plain.splits()
     assert max(int(x) for x in re.findall(r"\d+", " ".join(q["valid"]))) <= t.high
+
+
+def test_the_validation_split_has_the_held_out_mix_where_training_problems_run_out():
+    """Even with a training split that uses up most two-operand problems, the validation split is
+    drawn like the held-out one: word problems word_frac, three operands (1 - word_frac) * three_frac."""
+    t = ChatArithTask(seed=1, train_size=2000, heldout_size=64, valid_size=600)
+    share = {k: sum(kind(r["question"]) == k for r in t.valid) / len(t.valid) for k in ("two", "three", "word")}
+    want = {"word": t.word_frac, "three": (1 - t.word_frac) * t.three_frac}
+    want["two"] = 1 - want["word"] - want["three"]
+    assert all(abs(share[k] - want[k]) < 0.05 for k in want), (share, want)
 
 
 def kind(question: str) -> str:
