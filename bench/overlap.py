@@ -49,10 +49,8 @@ def run_mode(address: str, warm: Path, data: Path, work: Path, *, asynchronous: 
     import torch
 
     from grpokit.config import load_config
-    from grpokit.data.datasets import load_prompts
-    from grpokit.train import build_rewards
-    from grpokit.train.build import build_policy, load_model, load_tokenizer
-    from grpokit.train.loop import Trainer
+    from grpokit.train import build_run
+    from grpokit.models import load_model, load_tokenizer
 
     name = "async" if asynchronous else "on_policy"
     cfg = load_config(["demo"], [f"model.path={warm}", f"data.path={data}", f"train.run_dir={work / name}",
@@ -61,8 +59,8 @@ def run_mode(address: str, warm: Path, data: Path, work: Path, *, asynchronous: 
                                  "rollout.engine=server", f"rollout.server={address}",
                                  f"rollout.async={str(asynchronous).lower()}"])
     torch.manual_seed(seed)
-    model, reference = build_policy(cfg, load_model(warm, dtype="float32", device="cpu"))
-    tr = Trainer(cfg, model, load_tokenizer(warm), load_prompts(cfg.data.path), build_rewards(cfg), reference=reference)
+    tr = build_run(cfg, model=load_model(warm, dtype="float32", device="cpu"), tokenizer=load_tokenizer(warm),
+                   health=False, report=False)
     marks, rows = [time.perf_counter()], []
 
     def progress(step, metrics):

@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     from grpokit.rollout.vllm import VLLMEngine, import_vllm
     from grpokit.tasks.arithmetic import ArithmeticTask
     from grpokit.tasks.tiny import build_char_tokenizer, build_tiny_model, save_pretrained
-    from grpokit.train.model import load_model, load_tokenizer
+    from grpokit.models.hf import load_model, load_tokenizer
 
     vllm = import_vllm()
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -114,7 +114,7 @@ def main() -> None:
         run_dir = work / f"run-{world}x{threads}"
         cmd = [sys.executable, "-m", "grpokit", "train", *over, f"train.run_dir={run_dir}"]
         if world > 1:
-            from grpokit.train.distributed import torchrun_command
+            from grpokit.train.launch import torchrun_command
             cmd = torchrun_command(world, ["train", *over, f"train.run_dir={run_dir}", "train.distributed=fsdp2"])
         print(f"{world} process(es) x {threads} thread(s) ...", flush=True)
         peaks = run_one(cmd, {**base_env, "OMP_NUM_THREADS": str(threads)}, work / f"run-{world}x{threads}.log")

@@ -3,7 +3,7 @@
 
 The file is found the way `make example` finds it (`examples/smollm2.py: find_gguf`, without
 importing the package, whose own code needs the `llm` tool that `--no-deps` leaves out) and
-converted once by grpokit's GGUF loader into its cache (`grpokit.train.gguf.cached_conversion`:
+converted once by grpokit's GGUF loader into its cache (`grpokit.models.gguf.cached_conversion`:
 a plain Hugging Face directory, float32, tokenizer and chat template included), which both sides
 of the benchmark load. Runs in the project's environment (the TRL side only reads the directory).
 """
@@ -38,7 +38,7 @@ def gguf_file() -> Path:
 
 def convert() -> Path:
     """The converted model directory (converted on first use, then read from grpokit's cache)."""
-    from grpokit.train.gguf import cached_conversion
+    from grpokit.models.gguf import cached_conversion
 
     return Path(cached_conversion(gguf_file()))
 

@@ -76,7 +76,7 @@ def run(seed: int, steps: int | None, max_minutes: float | None, run_dir: str, o
     from grpokit.data.datasets import PromptDataset
     from grpokit.tasks.chat_arith import ChatArithTask
     from grpokit.train import build_trainer
-    from grpokit.train.gguf import resolve_model_dir
+    from grpokit.models.gguf import resolve_model_dir
 
     started = time.perf_counter()
     out = Path(run_dir)

@@ -27,7 +27,7 @@ import torch
 from grpokit.rewards import get
 from grpokit.rollout.base import SamplingParams
 from grpokit.rollout.hf import HFEngine
-from grpokit.train.build import load_model, load_tokenizer
+from grpokit.models import load_model, load_tokenizer
 from grpokit.train.prompts import PromptEncoder
 
 EXPR = re.compile(r"What is ([\d +-]+)\?")

@@ -51,7 +51,7 @@ class GRPO:
     """GRPO-family training from Python objects (see the module docstring). Building it loads the
     model and the prompts and checks everything; `train()` runs, `evaluate()` scores held-out prompts.
 
-    Attributes: `config` (the validated `Config`), `trainer` (the `grpokit.train.loop.Trainer`),
+    Attributes: `config` (the validated `Config`), `trainer` (the `grpokit.train.run.Trainer`),
     `reward_names` (the names the rewards are logged under, in order).
     """
 
@@ -95,10 +95,10 @@ class GRPO:
             eval_ds = self._prompts(held, "eval_dataset") if held is not None else None
             if loaded is not None and tokenizer is None:
                 tokenizer = _tokenizer_of(loaded, self.config)
-            from grpokit.train import build_trainer
+            from grpokit.train import build_run
 
-            self.trainer = build_trainer(self.config, model=loaded, tokenizer=tokenizer, dataset=train_ds,
-                                         eval_dataset=eval_ds)
+            self.trainer = build_run(self.config, model=loaded, tokenizer=tokenizer, dataset=train_ds,
+                                     eval_dataset=eval_ds)
         self.reward_names = [s.name for s in self.config.rewards]
 
     # ------------------------------------------------------------------ running
@@ -106,11 +106,6 @@ class GRPO:
     def train(self, *, resume: bool = False) -> dict[str, float]:
         """Train for `train.steps` steps (from the last checkpoint of `train.run_dir` with
         `resume=True`); returns the last step's metrics (held-out ones included when evaluated)."""
-        if self.config.train.progress:
-            from grpokit.cli_progress import StepProgress
-
-            with StepProgress(self.config.train.steps) as bar:
-                return self.trainer.train(resume=resume, progress=bar.update)
         return self.trainer.train(resume=resume)
 
     def evaluate(self, dataset: Any = None) -> dict[str, float]:
@@ -225,6 +220,6 @@ def _tokenizer_of(model, cfg: Config):
     where = _model_dir(model)
     if not where:
         raise ConfigError("tokenizer= is needed with a loaded model that has no local directory to load one from")
-    from grpokit.train.model import load_tokenizer
+    from grpokit.models.hf import load_tokenizer
 
     return load_tokenizer(where, trust_remote_code=cfg.model.trust_remote_code)

@@ -34,7 +34,7 @@ EXAMPLES = """examples:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from grpokit.data.datasets import DataError
-    from grpokit.train.model import ModelLoadError
+    from grpokit.models.hf import ModelLoadError
     return (ConfigError, DataError, ModelLoadError, FileNotFoundError, FileExistsError)
 
 
@@ -46,7 +46,7 @@ def _run_errors() -> tuple[type[BaseException], ...]:
 def cmd_train(args) -> int:
     from grpokit.config import load_config
     from grpokit.rollout.client import RolloutServerError
-    from grpokit.train import build_trainer, distributed
+    from grpokit.train import build_run
     from grpokit.train.checkpoint import nothing_to_resume
 
     cfg = load_config(args.config, args.overrides)
@@ -54,28 +54,16 @@ def cmd_train(args) -> int:
         raise ConfigError(problem)          # before the model loads (and before any rank starts)
     if args.nproc is not None:
         return _launch(args, cfg)
+    trainer = build_run(cfg)                # the report and leaving the job: when `train` ends
     try:
-        trainer = build_trainer(cfg)
-        main_rank = trainer.dp is None or trainer.dp.is_main     # rank 0 alone prints and reports
-        try:
-            if cfg.train.progress and main_rank:
-                from grpokit.cli_progress import StepProgress
-                with StepProgress(cfg.train.steps) as bar:
-                    trainer.train(resume=args.resume, progress=bar.update)
-            else:
-                trainer.train(resume=args.resume)
-        except RolloutServerError as exc:
-            from grpokit.train.checkpoint import latest_checkpoint
-            ck = latest_checkpoint(cfg.train.run_dir)
-            raise RolloutServerError(f"{exc}. The run stopped at step {trainer.step_idx}; its last checkpoint is "
-                                     f"{ck if ck is not None else 'none'}: restart the rollout server and run again "
-                                     "with --resume") from None
-        finally:          # a run that stops with an error (divergence, reference drift) gets one too
-            if main_rank:
-                _write_report(cfg.train.run_dir)
-    finally:
-        distributed.shutdown()
-    if main_rank:
+        trainer.train(resume=args.resume)
+    except RolloutServerError as exc:
+        from grpokit.train.checkpoint import latest_checkpoint
+        ck = latest_checkpoint(cfg.train.run_dir)
+        raise RolloutServerError(f"{exc}. The run stopped at step {trainer.step_idx}; its last checkpoint is "
+                                 f"{ck if ck is not None else 'none'}: restart the rollout server and run again "
+                                 "with --resume") from None
+    if trainer.comm.is_main:                # rank 0 alone prints and reports
         print(f"done: {trainer.step_idx} steps; run directory {cfg.train.run_dir}")
     return 0
 
@@ -83,10 +71,10 @@ def cmd_train(args) -> int:
 def _launch(args, cfg) -> int:
     """`grpokit train ... --nproc N`: the same command on N local ranks under torchrun."""
     import os
-    import subprocess
 
     from grpokit.config import ConfigError
     from grpokit.train import distributed
+    from grpokit.train.launch import launch
 
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
@@ -96,40 +84,21 @@ def _launch(args, cfg) -> int:
     argv = ["train", *args.config, *args.overrides] + (["--resume"] if args.resume else [])
     if args.debug:
         argv.insert(0, "--debug")
-    return subprocess.call(distributed.torchrun_command(args.nproc, argv))
-
-
-def _write_report(run_dir) -> None:
-    """Write RUN_DIR/report.html. A failure is logged, never raised: it must neither lose a finished
-    run nor hide the error that stopped one."""
-    try:
-        from grpokit.monitor.report import write_report
-        path = write_report(run_dir)
-        print(f"report: {path}")
-    except Exception as exc:  # noqa: BLE001
-        logging.getLogger("grpokit").warning("could not write the report: %s", exc)
+    return launch(args.nproc, argv)
 
 
 def cmd_eval(args) -> int:
+    import torch
+
     from grpokit.config import load_config
-    from grpokit.data.datasets import PromptDataset
-    from grpokit.train import build_rewards, load_datasets
-    from grpokit.rollout.registry import build_engine
-    from grpokit.train.build import load_model, load_tokenizer
+    from grpokit.train import build_eval
     from grpokit.train.evaluate import evaluate
-    from grpokit.train.prompts import PromptEncoder, check_prompts, max_positions
 
     over = [f"model.path={args.model}", f"data.path={args.data}", "data.eval_path="] + args.overrides
     cfg = load_config(args.config, over)
-    ds, _ = load_datasets(cfg)         # with the columns the rewards read, before the model loads
-    tok = load_tokenizer(args.model)
-    model = load_model(args.model, dtype=cfg.model.dtype, device=cfg.model.device)
-    encoder = PromptEncoder(tok, cfg.data.chat_template)
-    check_prompts(encoder, ds.rows, ds.source, max_new_tokens=cfg.rollout.max_new_tokens, positions=max_positions(model))
-    rewards = build_rewards(cfg)
-    import torch
-    res = evaluate(build_engine(cfg.rollout.engine, model, tok, rollout=cfg.rollout), encoder, rewards,
-                   PromptDataset(ds.rows), cfg, samples=args.samples, generator=torch.Generator().manual_seed(cfg.train.seed))
+    engine, encoder, rewards, ds = build_eval(cfg, args.model)
+    res = evaluate(engine, encoder, rewards, ds, cfg, samples=args.samples,
+                   generator=torch.Generator().manual_seed(cfg.train.seed))
     print(json.dumps({"model": args.model, "data": args.data, "prompts": len(ds), **res}, indent=2))
     return 0
 
@@ -137,15 +106,10 @@ def cmd_eval(args) -> int:
 def cmd_demo(args) -> int:
     from grpokit.demo import run_demo
 
-    grpo_dir = Path(args.run_dir) / "grpo"
     if Path(args.run_dir).exists() and not Path(args.run_dir).is_dir():
         raise ConfigError(f"--run-dir {args.run_dir} is a file, not a directory")
-    try:
-        run_demo(quick=args.quick, control=args.control, seed=args.seed, run_dir=args.run_dir,
-                 overrides=args.overrides, progress=not args.no_progress)
-    finally:
-        if grpo_dir.is_dir():    # absent when the demo failed before training
-            _write_report(grpo_dir)
+    run_demo(quick=args.quick, control=args.control, seed=args.seed, run_dir=args.run_dir,
+             overrides=args.overrides, progress=not args.no_progress)     # its run writes grpo/report.html
     return 0
 
 
@@ -176,7 +140,7 @@ def cmd_plan_memory(args) -> int:
     print(mem.format_plan(rows, budget))
     fit = mem.first_fit(rows, budget)
     if fit is not None and fit.overrides.get("lora.load_in_4bit"):
-        from grpokit.train.lora import four_bit_unavailable
+        from grpokit.models.lora import four_bit_unavailable
         why = four_bit_unavailable(setup.device) if setup.device == "cpu" or _has_cuda() else None
         if why:
             print(f"note: {why}")
@@ -212,10 +176,10 @@ def _has_cuda() -> bool:
 
 def cmd_export(args) -> int:
     """A checkpoint (of any world size; LoRA adapters merged) as a plain Hugging Face directory."""
-    from grpokit.train.build import load_model, load_tokenizer
+    from grpokit.models import load_model, load_tokenizer
     from grpokit.train.checkpoint import MARKER
-    from grpokit.train import sharded
-    from grpokit.train.lora import is_peft, save_merged
+    from grpokit.models import sharded
+    from grpokit.models.lora import is_peft, save_merged
 
     ckpt, out = Path(args.checkpoint), Path(args.out)
     if not ckpt.is_dir():
@@ -273,7 +237,7 @@ def _count(text: str) -> int:
 
 
 def cmd_convert(args) -> int:
-    from grpokit.train.gguf import convert
+    from grpokit.models.gguf import convert
 
     out = convert(args.gguf, args.out_dir)
     print(f"wrote {out} (a plain Hugging Face directory: model.path={out})")
@@ -387,18 +351,24 @@ def main(argv: list[str] | None = None) -> int:
                         + "%(message)s")
     if not args.debug:
         _quiet_transformers()
+    from grpokit.train.launch import report_rank_error
     try:
         return args.fn(args)
     except _user_errors() as exc:
+        report_rank_error(str(exc))
         if args.debug:
             raise
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except _run_errors() as exc:       # the run stopped; its last checkpoint is intact
+        report_rank_error(str(exc))
         if args.debug:
             raise
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except Exception as exc:           # a bug or a failure of the run: Python's traceback follows
+        report_rank_error(f"{type(exc).__name__}: {exc}")
+        raise
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

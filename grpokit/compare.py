@@ -15,11 +15,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from grpokit.config import load_config
-from grpokit.data.datasets import PromptDataset, load_prompts
+from grpokit.data.datasets import PromptDataset
 from grpokit.demo import DemoSettings, accuracy, warm_start
 from grpokit.monitor.sinks import read_metrics
 from grpokit.tasks.arithmetic import ArithmeticTask
-from grpokit.train.build import load_model, load_tokenizer
+from grpokit.models import load_model, load_tokenizer
 
 
 def label(preset: str) -> str:
@@ -28,8 +28,7 @@ def label(preset: str) -> str:
 
 
 def run_one(preset: str, seed: int, s: DemoSettings, root: Path, steps: int, eval_every: int, say) -> dict:
-    from grpokit.train import build_rewards
-    from grpokit.train.loop import Trainer
+    from grpokit.train import build_run
 
     task = ArithmeticTask(seed=seed, carry_frac=s.carry_frac, teacher_correct=s.teacher_correct, heldout=s.heldout)
     held = task.heldout_rows()
@@ -41,9 +40,10 @@ def run_one(preset: str, seed: int, s: DemoSettings, root: Path, steps: int, eva
     cfg = load_config(["demo", preset], [f"model.path={warm_dir}", f"data.path={data}", f"train.steps={steps}",
                                          f"train.seed={seed}", f"train.run_dir={run_dir}", "train.progress=false",
                                          f"train.eval_every={eval_every}", "train.save_every=0"])
-    tok, model = load_tokenizer(warm_dir), load_model(warm_dir, dtype="float32", device="cpu")
-    trainer = Trainer(cfg, model, tok, load_prompts(data), build_rewards(cfg),
-                      eval_dataset=PromptDataset(held))
+    tok = load_tokenizer(warm_dir)
+    trainer = build_run(cfg, model=load_model(warm_dir, dtype="float32", device="cpu"), tokenizer=tok,
+                        eval_dataset=PromptDataset(held))
+    model = trainer.model
     t0 = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t0

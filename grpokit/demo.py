@@ -28,7 +28,7 @@ from grpokit.rollout.base import SamplingParams
 from grpokit.rollout.registry import build_engine
 from grpokit.tasks.arithmetic import ArithmeticTask
 from grpokit.tasks.tiny import build_char_tokenizer, build_tiny_model, save_pretrained
-from grpokit.train.build import build_policy, load_model, load_tokenizer
+from grpokit.models import load_model, load_tokenizer
 from grpokit.train.sft import sft
 
 
@@ -94,8 +94,7 @@ def warm_start(s: DemoSettings, task: ArithmeticTask, run_dir: Path, say) -> Pat
 
 def run_demo(*, quick: bool = False, control: bool = False, seed: int = 0, run_dir: str | Path = "runs/demo",
              overrides: list[str] | None = None, say=print, progress: bool = True) -> dict:
-    from grpokit.train import build_rewards
-    from grpokit.train.loop import Trainer
+    from grpokit.train import build_run
 
     t_start = time.perf_counter()
     s = DemoSettings.quick(seed) if quick else DemoSettings(seed=seed)
@@ -115,18 +114,16 @@ def run_demo(*, quick: bool = False, control: bool = False, seed: int = 0, run_d
                                  f"train.seed={seed}", f"train.run_dir={run_dir / 'grpo'}",
                                  f"train.progress={str(progress).lower()}"] + (overrides or []))
     tok = load_tokenizer(warm_dir)
-    # LoRA / QLoRA when the overrides say lora.enabled=true (the 4-bit base is loaded by build_policy)
-    model, reference = build_policy(cfg, None if cfg.lora.load_in_4bit else load_model(warm_dir, dtype="float32", device="cpu"))
+    # LoRA / QLoRA when the overrides say lora.enabled=true (the 4-bit base is loaded by the builder)
+    trainer = build_run(cfg, model=None if cfg.lora.load_in_4bit else load_model(warm_dir, dtype="float32", device="cpu"),
+                        tokenizer=tok, eval_dataset=PromptDataset(held))
+    model = trainer.model
     T = cfg.rollout.temperature
     before = {"greedy": accuracy(model, tok, held), "sampled": accuracy(model, tok, held, temperature=T, n=4, seed=seed)}
     say(f"before GRPO: held-out greedy {before['greedy']:.1f}%, sampled (T={T}) {before['sampled']:.1f}%")
 
-    rewards = build_rewards(cfg)
-    from grpokit.data.datasets import load_prompts
-    trainer = Trainer(cfg, model, tok, load_prompts(cfg.data.path), rewards, eval_dataset=PromptDataset(held),
-                      reference=reference)
     t0 = time.perf_counter()
-    _train_with_progress(trainer, progress, say)
+    trainer.train()
     grpo_seconds = time.perf_counter() - t0
     after = {"greedy": accuracy(model, tok, held), "sampled": accuracy(model, tok, held, temperature=T, n=4, seed=seed)}
 
@@ -151,15 +148,6 @@ def run_demo(*, quick: bool = False, control: bool = False, seed: int = 0, run_d
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     _print_table(summary, run_dir, say)
     return summary
-
-
-def _train_with_progress(trainer, progress: bool, say) -> None:
-    if not progress:
-        trainer.train()
-        return
-    from grpokit.cli_progress import StepProgress
-    with StepProgress(trainer.cfg.train.steps, trainer.step_idx) as bar:
-        trainer.train(progress=bar.update)
 
 
 def _print_table(s: dict, run_dir: Path, say) -> None:

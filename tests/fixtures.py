@@ -81,3 +81,16 @@ if "test_text_length" not in REGISTRY:
         """A reward with variance for any random model and vocabulary: the completion's length in
         characters, mod 5 (a digit-based reward is constant for a model that writes no digits)."""
         return [float(len(c) % 5) for c in completions]
+
+if "test_no_reward" not in REGISTRY:
+    @register("test_no_reward")
+    def test_no_reward(prompts, completions, **columns):
+        """A reward that scores nothing (None for every completion): the health monitor's
+        `rewards_missing` alarm must fire on every step of a run that uses it."""
+        return [None] * len(completions)
+
+
+def alarm_names(run_dir) -> set[str]:
+    """The names of the alarms a run's health monitor wrote (RUN_DIR/alarms.jsonl)."""
+    path = Path(run_dir) / "alarms.jsonl"
+    return {json.loads(line)["name"] for line in path.read_text().splitlines()} if path.is_file() else set()

@@ -97,7 +97,7 @@ def test_the_readme_example_trains_and_its_reward_reaches_the_metrics(model_dir,
 def test_loaded_model_rows_and_evaluate_on_a_given_dataset(model_dir, tmp_path):
     """A loaded model (its tokenizer found in its directory), rows in memory, a grpokit-style
     positional reward and a Config object with overrides on top."""
-    from grpokit.train.model import load_model
+    from grpokit.models.hf import load_model
 
     model = load_model(model_dir, dtype="float32", device="cpu")
     seen = []
@@ -153,7 +153,7 @@ def test_bad_input_is_one_line_before_anything_loads(kwargs, error, fragment):
 
 
 def test_a_missing_model_directory_is_one_line():
-    from grpokit.train.model import ModelLoadError
+    from grpokit.models.hf import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="model directory not found"):
         GRPO(model="/nonexistent/model", rewards=["exact_match"], dataset=[{"prompt": "1+1=", "answer": "2"}])
@@ -230,3 +230,37 @@ def test_import_grpokit_stays_light():
     code = ("import sys, grpokit; assert 'GRPO' in dir(grpokit); cls = grpokit.GRPO; "
             "heavy = [m for m in ('torch', 'transformers', 'datasets') if m in sys.modules]; assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.slow
+def test_the_cli_and_the_python_api_make_the_same_run(tmp_path):
+    """One builder behind both faces: the same config from `grpokit train` and from `grpokit.GRPO`
+    leaves the same files in its run directory (the report included) and logs the same metrics
+    (times, throughput and memory aside)."""
+    from grpokit.cli import main
+    from tests.fixtures import small_overrides, tiny_run_inputs
+
+    _, model_dir, train, held = tiny_run_inputs(tmp_path / "inputs")
+    extra = {"rewards": "[{name: test_varied}]", "data.eval_path": held, "train.eval_every": 1,
+             "train.save_every": 1, "train.sample_every": 1, "train.check_rewards": "false"}
+    over = small_overrides(model_dir, train, tmp_path / "cli", **extra)
+    assert main(["train", *over]) == 0
+    api_over = dict(o.split("=", 1) for o in small_overrides(model_dir, train, tmp_path / "api", **extra))
+    GRPO(config=load_config(None, [f"{k}={v}" for k, v in api_over.items()])).train()
+
+    def files(root):
+        return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+    assert files(tmp_path / "cli") == files(tmp_path / "api")
+    assert "report.html" in files(tmp_path / "api")
+
+    def metrics(root):
+        rows = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if k != "time" and not k.startswith(("time/", "throughput/", "memory/"))}
+                for r in rows]
+
+    cli, api = metrics(tmp_path / "cli"), metrics(tmp_path / "api")
+    assert [r["step"] for r in cli] == [1, 2] and "eval/pass@1" in cli[-1]
+    for a, b in zip(cli, api):
+        assert a.keys() == b.keys(), set(a) ^ set(b)
+        assert {k: v for k, v in a.items() if v != b[k]} == {}

@@ -32,3 +32,17 @@ def test_compare_writes_table_rows_and_chart(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     # the warm start is shared: one model per seed
     assert len(list(tmp_path.glob("warm-*"))) == 2
+
+
+@pytest.mark.slow
+def test_compare_runs_carry_the_health_monitor(tmp_path):
+    """Each preset's run is built like the CLI's: a reward that scores nothing raises the health
+    monitor's rewards_missing alarm in that run's directory."""
+    from tests.fixtures import alarm_names
+
+    small = DemoSettings(hidden=32, layers=1, heads=2, warm_steps=10, heldout=8)
+    own = tmp_path / "no_reward.yaml"
+    own.write_text("base: grpo\nrewards: [{name: test_no_reward}]\ntrain: {check_rewards: false}\n")
+    compare([str(own)], seeds=[0], steps=2, eval_every=2, run_dir=tmp_path / "runs", settings=small,
+            say=lambda *a: None)
+    assert "rewards_missing" in alarm_names(tmp_path / "runs" / "no_reward-seed0")

@@ -77,11 +77,28 @@ def test_cycle_finder_finds_a_cycle():
 
 def test_the_package_has_no_import_cycle():
     graph = import_graph(ROOT)
-    assert "grpokit.train.loop" in graph and graph["grpokit.train.loop"]   # the graph was read
+    assert "grpokit.train.step" in graph and graph["grpokit.train.step"]   # the graph was read
     assert cycles(graph) == []
 
 
 def test_model_loading_is_a_leaf():
     graph = import_graph(ROOT)
-    assert not {d for d in graph["grpokit.train.model"] if d.startswith("grpokit.train")}
-    assert "grpokit.train.model" not in graph["grpokit.train.reference"]
+    assert not {d for d in graph["grpokit.models.hf"] if d.startswith("grpokit.train")}
+    assert "grpokit.models.hf" not in graph["grpokit.train.reference"]
+
+
+def _under(mod: str, pkg: str) -> bool:
+    return mod == pkg or mod.startswith(pkg + ".")
+
+
+def test_the_layers():
+    """rollout, monitor, rewards, algo and models import nothing under grpokit.train; models imports
+    nothing under grpokit.rollout (function-level imports included)."""
+    graph = import_graph(ROOT)
+    assert any(_under(m, "grpokit.models") for m in graph)      # the models package was read
+    rules = [(low, "grpokit.train") for low in ("grpokit.rollout", "grpokit.monitor", "grpokit.rewards",
+                                                 "grpokit.algo", "grpokit.models")]
+    rules.append(("grpokit.models", "grpokit.rollout"))
+    bad = sorted((m, d) for low, high in rules for m, deps in graph.items() if _under(m, low)
+                 for d in deps if _under(d, high))
+    assert not bad, f"imports against the layers: {bad}"

@@ -1,6 +1,7 @@
 """The report's plots: metric grouping, smoothing and downsampling, the health alarms' thresholds
-(read from a run's config.yaml as the trainer fills them in) and the matplotlib figures.
-`grpokit.monitor.report` lays them out in the page.
+(the ones the run's health monitor wrote to RUN_DIR/health_config.json; for an older run directory
+without it, worked out from its config.yaml as the trainer fills them in) and the matplotlib
+figures. `grpokit.monitor.report` lays them out in the page.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from pydantic import ValidationError
 
-from grpokit.monitor.health import RULES, Alarm, HealthConfig
+from grpokit.monitor.health import HEALTH_CONFIG_FILE, RULES, Alarm, HealthConfig
 
 # Namespaces shown first, in the order of the step's data flow; others follow alphabetically.
 NAMESPACE_ORDER = (
@@ -154,14 +155,13 @@ def _mapping(d: Any, *keys: str) -> dict[str, Any]:
 
 def kl_target_high(config: Mapping[str, Any]) -> float | None:
     """The value the trainer gives `health.kl_climbing.kl_high` when the config leaves it unset
-    (``grpokit.train.kl_target_high``), worked out from a config.yaml mapping without importing
-    the trainer: the adaptive controller's upper target, Ziegler's target (also under a warm-up or
-    schedule wrapper), None for the others, with beta = 0, or when the config does not validate."""
+    (``grpokit.config.kl_control.kl_target_high``), for a run directory without health_config.json,
+    from its config.yaml mapping; None when that does not validate."""
     from grpokit.config import ConfigError, config_from_dict
-    from grpokit.train.kl_control import kl_target_high as trainer_kl_target_high
+    from grpokit.config.kl_control import kl_target_high as config_kl_target_high
 
     try:
-        return trainer_kl_target_high(config_from_dict(dict(config)))
+        return config_kl_target_high(config_from_dict(dict(config)))
     except (ConfigError, ValueError, TypeError):
         return None
 
@@ -171,17 +171,56 @@ class Thresholds:
     """The health monitor's settings as far as the run directory tells, and where they came from."""
 
     health: HealthConfig
-    origin: str  # for the reader: "config.yaml", or why the defaults are used
+    origin: str  # for the reader: "health_config.json", "config.yaml", or why the defaults are used
     filled: dict[str, str]  # "rule.field" -> where the trainer took that value from instead
 
 
-def health_thresholds(config: Mapping[str, Any] | None) -> Thresholds:
-    """The thresholds the run's health monitor used: ``health:`` of config.yaml, with the two fields
-    the trainer fills in from the rest of the config when they are not set (``build_health``):
-    `kl_climbing.kl_high` (the KL controller's upper target) and `ref_drift.tolerance`
-    (`guard.ref_tolerance`). config.yaml holds every field, set or not, so a null `kl_high` and a
-    `ref_drift.tolerance` at its default count as not set. Defaults without config.yaml or when its
-    ``health:`` does not validate."""
+def health_thresholds(config: Mapping[str, Any] | None, saved: Any = None) -> Thresholds:
+    """The thresholds the run's health monitor used.
+
+    ``saved``: the run's health_config.json as parsed (the monitor writes its resolved HealthConfig
+    there). When given and valid, those are the thresholds, and `filled` names the two fields the
+    trainer fills in (``build_health``) where they differ from config.yaml's ``health:`` (which
+    holds the config as the user set it). Otherwise (an older run directory) they are worked out
+    from config.yaml: its ``health:``, with `kl_climbing.kl_high` (the KL controller's upper
+    target) and `ref_drift.tolerance` (`guard.ref_tolerance`) filled in when not set. config.yaml
+    holds every field, set or not, so a null `kl_high` and a `ref_drift.tolerance` at its default
+    count as not set. Defaults without config.yaml or when its ``health:`` does not validate."""
+    why = ""
+    if saved is not None:
+        try:
+            health = HealthConfig.model_validate(saved)
+        except ValidationError as e:
+            first = e.errors()[0].get("msg", "invalid") if e.errors() else "invalid"
+            why = f"; {HEALTH_CONFIG_FILE} does not validate: {first}"
+        else:
+            high = health.kl_climbing.kl_high
+            if high is not None and not math.isfinite(high):  # the level test can never fire
+                health.kl_climbing.kl_high = None
+            return Thresholds(health, HEALTH_CONFIG_FILE, _filled_by_trainer(health, config))
+    th = _thresholds_from_config(config)
+    return dataclasses.replace(th, origin=th.origin + why) if why else th
+
+
+def _filled_by_trainer(health: HealthConfig, config: Mapping[str, Any] | None) -> dict[str, str]:
+    """"rule.field" -> where the trainer took it from, for the fields it fills in whose saved value
+    differs from config.yaml's ``health:`` (nothing when config.yaml is absent or invalid)."""
+    if config is None:
+        return {}
+    try:
+        asked = HealthConfig.model_validate(_mapping(config, "health"))
+    except ValidationError:
+        return {}
+    filled: dict[str, str] = {}
+    if asked.kl_climbing.kl_high is None and health.kl_climbing.kl_high is not None:
+        filled["kl_climbing.kl_high"] = "the KL controller's upper target (algorithm.kl)"
+    if asked.ref_drift.tolerance != health.ref_drift.tolerance:
+        filled["ref_drift.tolerance"] = "guard.ref_tolerance"
+    return filled
+
+
+def _thresholds_from_config(config: Mapping[str, Any] | None) -> Thresholds:
+    """`health_thresholds` of a run directory without health_config.json: from config.yaml."""
     if config is None:
         return Thresholds(HealthConfig(), "defaults (no readable config.yaml)", {})
     try:

@@ -54,7 +54,7 @@ def _hf_copy(model, tokenizer, **options):
     from grpokit.rollout.hf import HFEngine
 
     if hasattr(model, "get_base_model"):            # PEFT: a plain model of the base's architecture
-        from grpokit.train.lora import merged_copy
+        from grpokit.models.lora import merged_copy
         own = merged_copy(model)
     else:
         own = copy.deepcopy(model)
@@ -71,7 +71,7 @@ def _server(model, tokenizer, rollout=None, **options):
     server starts from the policy's weights as they are now (version 0; LoRA merged)."""
     from grpokit.errors import ConfigError
     from grpokit.rollout.client import ServerEngine
-    from grpokit.train.lora import is_peft, merged_state_dict
+    from grpokit.models.lora import is_peft, merged_state_dict
 
     if rollout is None or not rollout.server:
         raise ConfigError("rollout.engine=server needs rollout.server=HOST:PORT (a running `grpokit rollout-server`)")

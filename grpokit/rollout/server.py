@@ -244,12 +244,12 @@ def make_server(service: RolloutService, host: str, port: int) -> ThreadingHTTPS
 def load_backend(backend: str, model_path: str, *, device: str = "auto", dtype: str = "auto"):
     """(engine, vocab size, device) for `--backend`: the HF engine over its own copy of the model,
     or the in-process vLLM engine (grpokit.rollout.vllm, imported only here)."""
-    from grpokit.train.model import resolve_device
+    from grpokit.models.hf import resolve_device
 
     dev = str(resolve_device(device))
     if backend == "hf":
         from grpokit.rollout.hf import HFEngine
-        from grpokit.train.build import load_model, load_tokenizer
+        from grpokit.models import load_model, load_tokenizer
 
         model = load_model(model_path, dtype=dtype, device=dev)
         model.eval()
@@ -259,7 +259,7 @@ def load_backend(backend: str, model_path: str, *, device: str = "auto", dtype: 
     if backend == "vllm":
         from transformers import AutoConfig
 
-        from grpokit.train.build import load_tokenizer
+        from grpokit.models import load_tokenizer
         try:
             from grpokit.rollout.vllm import VLLMEngine       # imports vLLM itself only when built
             engine = VLLMEngine(str(model_path), load_tokenizer(model_path), dtype=dtype)

@@ -67,7 +67,7 @@ def _plain_model(model):
     model of the base architecture with the adapters merged in (out of place)."""
     if not hasattr(model, "get_base_model"):
         return model
-    from grpokit.train.lora import merged_copy
+    from grpokit.models.lora import merged_copy
 
     return merged_copy(model)
 
@@ -122,7 +122,7 @@ class VLLMEngine:
                 raise ConfigError(f"rollout.engine=vllm: {model_dir} is not a Hugging Face model directory (no config.json)")
             gen_eos = _generation_eos(model_dir)
             if dtype == "auto":                     # as grpokit loads a model: float32 on CPU, bfloat16 on CUDA
-                from grpokit.train.model import resolve_dtype
+                from grpokit.models.hf import resolve_dtype
 
                 dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
                 dtype = str(resolve_dtype("auto", dev)).removeprefix("torch.")

@@ -1,47 +1,20 @@
 """From config to the objects a run trains: the policy (plain, LoRA or QLoRA) and its reference.
 
-The one place that chooses between grpokit.train.model (plain Hugging Face directories),
-grpokit.train.lora (adapters, 4-bit bases) and grpokit.train.gguf (a GGUF file, converted once into a
-cached plain directory); none of those imports the others' caller.
+Loading itself lives in grpokit.models (plain Hugging Face directories, LoRA adapters and 4-bit
+bases, GGUF files, sharded checkpoints), shared with rollout; what stays here depends on training
+objects (the reference, the batch advice).
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
-from grpokit.train import gguf, lora, model as model_lib, sharded
-from grpokit.train.model import ModelLoadError, _check_dir
+from grpokit.models import gguf, lora
+from grpokit.models.hf import ModelLoadError
+from grpokit.models.loading import load_model
 from grpokit.train.reference import Reference
 
 log = logging.getLogger("grpokit.train")
-
-
-def _is_adapter_dir(p: Path) -> bool:
-    return not (p / "config.json").is_file() and (p / "adapter_config.json").is_file()
-
-
-def load_model(path: str | Path, *, dtype: str = "auto", device: str = "auto",
-               gradient_checkpointing: bool = False, trust_remote_code: bool = False, gguf_file: str = ""):
-    """A local model directory, a directory of LoRA adapters (their base + the adapters), or a GGUF
-    file (`path` itself, or `gguf_file` inside the directory `path`) through its cached conversion."""
-    p = _check_dir(gguf.resolve_model_dir(path, gguf_file))
-    if sharded.is_sharded(p):
-        raise ModelLoadError(f"{p} is a sharded checkpoint (an FSDP2 run's): write a plain model "
-                                       f"with `grpokit export {p} OUT_DIR` and load OUT_DIR")
-    if _is_adapter_dir(p):
-        return lora.load_adapter_model(p, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-    return model_lib.load_model(p, dtype=dtype, device=device, gradient_checkpointing=gradient_checkpointing,
-                                trust_remote_code=trust_remote_code)
-
-
-def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False, gguf_file: str = ""):
-    """The tokenizer of a model directory, of the base of an adapters-only directory, or of a GGUF
-    file's cached conversion."""
-    p = _check_dir(gguf.resolve_model_dir(path, gguf_file))
-    if not (p / "tokenizer_config.json").is_file() and (p / "adapter_config.json").is_file():
-        p = lora.resolve_base(p)            # LoRA adapters saved without a tokenizer: the base's
-    return model_lib.load_tokenizer(p, trust_remote_code=trust_remote_code)
 
 
 def reference_for(cfg, policy) -> Reference | None:

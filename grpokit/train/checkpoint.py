@@ -10,7 +10,7 @@ kept apart from the last K; it is where `Trainer.rollback` goes.
 
 A LoRA policy's checkpoint holds its adapters (`lora.save: adapter`; `grpokit eval` finds the base
 through adapter_config.json) or the merged model plus the adapters in `adapter/` (`merged`); resume
-and rollback load the adapters (grpokit.train.lora).
+and rollback load the adapters (grpokit.models.lora).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from grpokit.train.lora import is_peft, load_adapter_weights, save_policy
+from grpokit.models.lora import is_peft, load_adapter_weights, save_policy
 
 MARKER = "COMPLETE"
 
@@ -168,7 +168,7 @@ def _prune(root: Path, keep_last: int, keep_healthy: int = 1) -> None:
 
 
 EARLIER_RUN_OUTPUT = ("checkpoints", "metrics.jsonl", "guard.jsonl", "alarms.jsonl", "disagreements.jsonl",
-                      "samples", "report.html", "tb", "config.yaml", "best")
+                      "samples", "report.html", "tb", "config.yaml", "best", "health_config.json")
 """What a run writes into its run directory; on a fresh start these belong to an earlier run and are
 moved aside (`set_aside_earlier_run`). Checkpoints first: once they are gone, a `--resume` can no
 longer pick up the earlier run, whatever else a kill leaves behind."""

@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 
 from grpokit.train import checkpoint as ckpt_lib
-from grpokit.train import sharded
+from grpokit.models import sharded
 from grpokit.train.distributed import DistContext, gathered
 from grpokit.train.guard import NonFiniteStep
 from grpokit.train.logprobs import MicroBatch, completion_logprobs, unwrap
-from grpokit.train.lora import is_peft, merged_state_dict, save_policy
+from grpokit.models.lora import is_peft, merged_state_dict, save_policy
 from grpokit.train.worker import LocalWorker
 
 ROOT = "policy."      # the parameter-name prefix PolicyForward adds
@@ -90,7 +90,7 @@ class DataParallelWorker(LocalWorker):
         else:
             raise ValueError(f"unknown data-parallel mode {ctx.mode!r}")
         self._fsdp_units = [m for m in self.wrapped.modules() if hasattr(m, "unshard")] if ctx.mode == "fsdp2" else []
-        # FSDP2 full fine-tuning checkpoints its shards with DCP (grpokit.train.sharded); LoRA saves
+        # FSDP2 full fine-tuning checkpoints its shards with DCP (grpokit.models.sharded); LoRA saves
         # the (small) adapters gathered, DDP the full copy every rank holds
         self.sharded_checkpoints = ctx.mode == "fsdp2" and not is_peft(model)
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from grpokit.errors import ConfigError
+from grpokit.train.comm import SUMMED, Comm, reduction, seed_of  # noqa: F401  (re-exported)
 
 log = logging.getLogger("grpokit.train")
 
@@ -79,20 +80,17 @@ def free_port() -> int:
 
 
 @dataclass
-class DistContext:
-    """This rank's place in the job, and the collectives the driver and workers use."""
+class DistContext(Comm):
+    """This rank's place in a torchrun job, and the collectives (over the default process group)
+    that the driver, the workers and the run directory use (grpokit.train.comm)."""
 
     mode: str                 # "ddp" | "fsdp2"
     rank: int
     world: int
     local_rank: int
     device: torch.device
+    per_group_streams = True
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    # ------------------------------------------------------------------ collectives
     def _reduce(self, values: list[float], op) -> list[float]:
         import torch.distributed as dist
 
@@ -111,90 +109,26 @@ class DistContext:
         import torch.distributed as dist
         return self._reduce([value], dist.ReduceOp.MAX)[0]
 
-    def any(self, flag: bool) -> bool:
-        """True on every rank when `flag` is true on any (the guard's and early stop's decisions)."""
-        return self.all_max(1.0 if flag else 0.0) > 0
-
     def gather(self, obj) -> list:
-        """`obj` of every rank, in rank order (small Python objects: counts, metric dicts)."""
         import torch.distributed as dist
 
         out: list = [None] * self.world
         dist.all_gather_object(out, obj)
         return out
 
+    def broadcast(self, obj):
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def barrier(self) -> None:
         import torch.distributed as dist
         dist.barrier()
 
-    # ------------------------------------------------------------------ data
-    def my_prompts(self, indices: list[int]) -> list[int]:
-        """This rank's share of a step's global prompt list: every world-th prompt from its rank."""
-        return indices[self.rank::self.world]
-
-    def first_group(self, round_idx: int, prompts_per_step: int) -> int:
-        """The number of this rank's first group in a sampling round (group numbers unique in the step)."""
-        return round_idx * prompts_per_step + self.rank * (prompts_per_step // self.world)
-
-    def keep_groups(self, n_local: int, wanted: int) -> tuple[int, int]:
-        """Dynamic sampling over ranks: each rank found `n_local` groups worth keeping; at most
-        `wanted` more are needed globally. Returns (groups this rank keeps, groups kept over all
-        ranks): the quota is filled in rank order, so the ranks agree without a coordinator."""
-        counts = self.gather(int(n_local))
-        before = sum(counts[:self.rank])
-        mine = max(0, min(n_local, wanted - before))
-        return mine, min(sum(counts), wanted)
-
-    def step_seed(self, seed: int, step: int) -> int:
-        """The sampling seed of this rank at `step`: derived from (seed, step, rank), so a resumed
-        run at the same world size draws exactly what the uninterrupted one drew."""
-        return _seed_of(f"{seed}:{step}:{self.rank}")
-
-    def group_seeds(self, seed: int, step: int, first: int, prompts: int) -> list[int]:
-        """Sampling seeds of this rank's groups among `prompts` drawn at global position `first` of
-        `step`: each derived from (seed, step, the group's global position) alone, so a group draws
-        the same completions at any world size (exact resume 2 -> 1 -> 2)."""
-        return [_seed_of(f"{seed}:{step}:g{first + q}") for q in self.my_prompts(list(range(prompts)))]
-
-    # ------------------------------------------------------------------ metrics
-    def reduce_metrics(self, metrics: dict, agreed: set[str] = frozenset()) -> dict:
-        """Every rank's metrics combined into the job's (the same dict on every rank): sums for the
-        per-rank shares of a global quantity, max / min for extremes and times, the mean of the
-        ranks' values otherwise (docs/distributed.md, "Metrics"). Keys in `agreed` already hold the
-        job's value on every rank and are kept as they are."""
-        numeric = {k: float(v) for k, v in metrics.items() if k not in agreed
-                   and isinstance(v, (int, float)) and not isinstance(v, bool)}
-        rest = {k: v for k, v in metrics.items() if k not in numeric}
-        every = self.gather(numeric)
-        out: dict = {}
-        for k in dict.fromkeys(k for d in every for k in d):
-            vals = [d[k] for d in every if k in d]
-            how = reduction(k)
-            out[k] = sum(vals) if how == "sum" else max(vals) if how == "max" else min(vals) if how == "min" \
-                else sum(vals) / len(vals)
-        return {**out, **rest}
-
-
-def _seed_of(key: str) -> int:
-    """A 63-bit seed from a string key (stable across processes and Python versions)."""
-    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") & ((1 << 63) - 1)
-
-
-SUMMED = ("loss/", "throughput/", "reward/nonfinite", "rollout/resampled", "filter/dropped")
-"""Metrics that are each rank's share of a job-wide total: the losses (each rank's loss is
-normalised by the global token or sequence count, so the shares add up to the global loss),
-throughput, and counts of events."""
-
-
-def reduction(key: str) -> str:
-    """How `key` combines over ranks: "sum", "max", "min" or "mean"."""
-    if key.startswith(SUMMED) or key.endswith("/errors"):
-        return "sum"
-    if key.startswith(("time/", "memory/")) or key.endswith(("_max", "ratio_max", "/integrity_drift")):
-        return "max"                   # the slowest rank sets the pace; the largest process the memory
-    if key.endswith("_min"):
-        return "min"
-    return "mean"
+    def close(self) -> None:
+        shutdown()
 
 
 # ---------------------------------------------------------------------- process group
@@ -215,8 +149,10 @@ def init(cfg) -> DistContext | None:
         torch.cuda.set_device(local)           # "cuda" then means this rank's GPU when the model loads
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     timeout = datetime.timedelta(seconds=cfg.train.dist_timeout_s)
+    global _joined
     if not dist.is_initialized():
         backend = "nccl" if cuda else "gloo"
+        _joined = True
         if "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend, timeout=timeout, device_id=device if cuda else None)
         else:                                  # one process asked for ddp / fsdp2 without torchrun
@@ -230,11 +166,44 @@ def init(cfg) -> DistContext | None:
     return ctx
 
 
+_joined = False
+"""True once this process has joined a process group (its gloo / NCCL threads outlive it)."""
+
+
 def shutdown() -> None:
     """Leave the process group (when one was joined)."""
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_process(code: int) -> None:
+    """End this process with `code`. A rank that has joined a process group ends without the
+    interpreter's finalization: gloo's worker threads live on after `destroy_process_group` (the
+    backend keeps them), and one that drops its last collective's tensors while the interpreter is
+    being torn down needs the GIL, cannot get it, and aborts the process ("terminate called without
+    an active exception", SIGABRT) although the run finished. So the rank tears down in order
+    itself: the process group, then the exit handlers (sinks, reward workers), then the streams,
+    and leaves with `os._exit`. A process that never joined one exits as usual."""
+    import sys
+
+    code = code if isinstance(code, int) else (0 if code is None else 1)
+    if not _joined:
+        sys.exit(code)
+    import atexit
+    import logging as _logging
+
+    try:
+        shutdown()
+    finally:
+        atexit._run_exitfuncs()
+        _logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
 
 
 def config_digest(cfg) -> str:
@@ -278,12 +247,3 @@ def gathered(modules):
     finally:
         for m in modules:
             m.reshard()
-
-
-# ---------------------------------------------------------------------- launch
-def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
-    """The command that runs `grpokit <argv>` on `nproc` local ranks through torchrun
-    (torch.distributed.run), rendezvous on a free local port."""
-    import sys
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "grpokit", *argv]

@@ -87,12 +87,12 @@ def shape_from_config(hf_config) -> Shape:
 def load_shape(model_path: str, gguf_file: str = "") -> Shape:
     from transformers import AutoConfig
 
-    from grpokit.train.gguf import resolve_model_dir
-    from grpokit.train.model import ModelLoadError, _check_dir
+    from grpokit.models.gguf import resolve_model_dir
+    from grpokit.models.hf import ModelLoadError, _check_dir
 
     p = _check_dir(resolve_model_dir(model_path, gguf_file))
     if not (p / "config.json").is_file():
-        from grpokit.train.lora import resolve_base
+        from grpokit.models.lora import resolve_base
         p = resolve_base(p)
     try:
         return shape_from_config(AutoConfig.from_pretrained(p, local_files_only=True))
@@ -158,7 +158,7 @@ class Estimate:
 
 
 def _lora_targets(shape: Shape, targets) -> dict[str, tuple[int, int]]:
-    from grpokit.train.lora import target_modules_for
+    from grpokit.models.lora import target_modules_for
 
     t = target_modules_for(shape.model_type, targets)
     if t == "all-linear":
@@ -287,7 +287,7 @@ def prompt_tokens_of(cfg, *, limit: int = 2000, default: int = 256) -> int:
     is unset or the model has no tokenizer to count with). A data.path that is set but cannot be
     read is the user's error (DataError), not a reason to plan with a made-up length."""
     from grpokit.data.datasets import load_prompts
-    from grpokit.train.build import load_tokenizer
+    from grpokit.models import load_tokenizer
     from grpokit.train.prompts import PromptEncoder
 
     if not cfg.data.path:

@@ -221,7 +221,7 @@ def validation_table(root: Path, cases: list[ProbeCase] = CASES, *, steps: int =
     for i, case in enumerate(cases):
         over = case_overrides(case, dirs[case.model], data, root / f"run{i}")
         if "lora.load_in_4bit=true" in over:
-            from grpokit.train.lora import four_bit_unavailable
+            from grpokit.models.lora import four_bit_unavailable
             why = four_bit_unavailable("cpu")
             if why:
                 say(f"skipped ({why}): {case.model} {case.label}")

@@ -4,6 +4,7 @@ RUN_DIR/
   config.yaml          the config this run trains with (written once the directory is this run's)
   metrics.jsonl        one row per step (grpokit.monitor.sinks), TensorBoard in tb/ when installed
   guard.jsonl          the non-finite guard's skips and rollbacks
+  alarms.jsonl, health_config.json   the health monitor's alarms and the thresholds it used
   samples/step_N.jsonl prompts, completions, rewards and advantages of a step
   checkpoints/step_N   atomic checkpoints (grpokit.train.checkpoint); HEALTHY names the last sound one
   best/                with `train.keep_best`: the policy of the best validation score (best.json)
@@ -27,12 +28,14 @@ log = logging.getLogger("grpokit.train")
 
 
 class RunDir:
-    """`dist`: a data-parallel rank's `DistContext` (grpokit.train.distributed); only rank 0 writes,
-    and every rank waits at a checkpoint until it is complete."""
+    """The run's files. `comm` (grpokit.train.comm): only its main rank writes, and every rank waits
+    at a checkpoint until it is complete (one process: rank 0 of 1, so it writes and never waits)."""
 
-    def __init__(self, cfg, dist=None):
-        self.cfg, self.dist = cfg, dist
-        self.writer = dist is None or dist.is_main
+    def __init__(self, cfg, comm=None):
+        from grpokit.train.comm import LocalComm
+
+        self.cfg, self.comm = cfg, comm if comm is not None else LocalComm()
+        self.writer = self.comm.is_main
         self.path = Path(cfg.train.run_dir)
         if self.writer:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -42,8 +45,7 @@ class RunDir:
         return open_sink(self.path, self.cfg) if self.writer else _NoSink()
 
     def _barrier(self) -> None:
-        if self.dist is not None:
-            self.dist.barrier()
+        self.comm.barrier()
 
     def write_config(self) -> None:
         """RUN_DIR/config.yaml: the config this run trains with."""
@@ -97,7 +99,7 @@ class RunDir:
         """A sharded checkpoint: rank 0 makes the temporary folder, every rank writes its shards
         into it (torch.distributed.checkpoint), then rank 0 adds the tokenizer and driver state,
         the marker, and renames it into place. Every rank returns once it is complete."""
-        job = self.dist.gather(os.getpid())[0]            # one temporary folder name for the job
+        job = self.comm.gather(os.getpid())[0]            # one temporary folder name for the job
         tmp = ckpt_lib.checkpoint_path(self.path, step).parent / f".tmp_step_{step:06d}_{job}"
         if self.writer:
             tmp = ckpt_lib.temp_checkpoint(self.path, step, job)

@@ -1,6 +1,6 @@
 """The training worker: everything that touches the policy's weights, behind a small Protocol.
 
-The driver (grpokit.train.loop) asks a worker for log-probs of a batch, for one training step on
+The step (grpokit.train.step) asks a worker for log-probs of a batch, for one training step on
 a batch, for its state, and for its weights to push to a rollout engine. `LocalWorker` is the
 single-process implementation; a data-parallel worker implements the same Protocol and supplies
 global token / sequence counts to the same per-micro-batch loss (`grpokit.algo.loss.grpo_loss`).
@@ -30,8 +30,8 @@ from grpokit.train import forward as lean_forward
 from grpokit.train.batch import Batch
 from grpokit.train.guard import NonFiniteStep, diagnose
 from grpokit.train import checkpoint as ckpt_lib
-from grpokit.train import sharded
-from grpokit.train.lora import is_peft, merged_state_dict, save_policy
+from grpokit.models import sharded
+from grpokit.models.lora import is_peft, merged_state_dict, save_policy
 from grpokit.train.logprobs import (MicroBatch, build_micro_batch, completion_logprobs, padded_logprobs,
                                     padding_fraction, plan_micro_batches, unwrap)
 from grpokit.train.reference import Reference

@@ -117,7 +117,7 @@ def test_the_warmup_rule_from_the_preset_and_from_overrides(overrides):
     """`kl_warmup` (and the documented overrides over `grpo`) give the trainer β 0.08 for steps
     0..999 and 0.02 from step 1000 on, whatever KL it observes."""
     from grpokit.config import load_config
-    from grpokit.train.kl_control import build_kl_controller
+    from grpokit.config.kl_control import build_kl_controller
 
     c = build_kl_controller(load_config(["grpo"] if overrides else ["kl_warmup"], overrides))
     betas = [c.beta] + [c.step(kl) for kl in [0.5, 0.0001, 3.0] * 334]   # β of steps 0..1002
@@ -247,7 +247,7 @@ def test_trainer_builds_the_adaptive_controller_from_config():
     """`algorithm.kl.adapt_factor` (default 1.05) and the band reach the trainer's controller;
     `controller_args` still override them."""
     from grpokit.config import load_config
-    from grpokit.train.kl_control import build_kl_controller
+    from grpokit.config.kl_control import build_kl_controller
 
     c = build_kl_controller(load_config(["grpo"], []))
     assert c.beta == pytest.approx(0.02)

@@ -460,7 +460,7 @@ def test_kl_high_and_ref_tolerance_filled_in_as_the_trainer_does():
 ])
 def test_kl_target_high_agrees_with_the_trainer(kl):
     from grpokit.config import config_from_dict
-    from grpokit.train.kl_control import kl_target_high as trainer_kl_target_high
+    from grpokit.config.kl_control import kl_target_high as trainer_kl_target_high
 
     data = {"algorithm": {"kl": kl}}
     assert kl_target_high(data) == trainer_kl_target_high(config_from_dict(data))

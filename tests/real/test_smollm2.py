@@ -26,9 +26,9 @@ from grpokit.rollout.base import SamplingParams  # noqa: E402
 from grpokit.rollout.registry import build_engine  # noqa: E402
 from grpokit.tasks.chat_arith import ChatArithTask  # noqa: E402
 from grpokit.train import build_trainer  # noqa: E402
-from grpokit.train.build import load_model, load_tokenizer  # noqa: E402
+from grpokit.models import load_model, load_tokenizer  # noqa: E402
 from grpokit.train.logprobs import build_micro_batch, completion_logprobs  # noqa: E402
-from grpokit.train.model import check_round_trip  # noqa: E402
+from grpokit.models.hf import check_round_trip  # noqa: E402
 from grpokit.train.prompts import PromptEncoder  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -26,7 +26,7 @@ from grpokit.rollout.hf import HFEngine
 from grpokit.rollout.server import RolloutService, make_server, tensor_checksum
 from grpokit.train import build_trainer
 from grpokit.train import checkpoint as ckpt_lib
-from grpokit.train.build import load_model, load_tokenizer
+from grpokit.models import load_model, load_tokenizer
 from tests.fixtures import greedy_outputs, small_overrides, tiny_run_inputs, varied_trainer
 from tests.rollout.server_proc import ServerProcess
 
@@ -257,7 +257,7 @@ def test_the_cli_stops_with_one_line_and_exit_status_1_when_the_server_dies(setu
     with served(model_dir) as (address, service):
         over = {"rollout.engine": "server", "rollout.server": address, "rollout.server_retries": 2,
                 "train.steps": 3, "train.save_every": 1, "rewards": "[{name: test_varied}]"}
-        from grpokit.train.loop import Trainer
+        from grpokit.train.run import Trainer
         real_step = Trainer.step
 
         def step_then_vanish(self):

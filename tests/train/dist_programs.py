@@ -136,6 +136,18 @@ def conformance(out: Path) -> None:
         distributed.shutdown()
 
 
+def comm(out: Path) -> None:
+    """The Comm conformance checks (tests/train/comm_conformance.py) on a gloo rank."""
+    from tests.train.comm_conformance import check_comm
+
+    ctx = distributed.init(equivalence_config("token_mean", "ddp"))
+    try:
+        check_comm(ctx)
+        (out / f"rank{ctx.rank}.ok").write_text("ok")
+    finally:
+        ctx.close()
+
+
 def lora_config(mode: str = "fsdp2"):
     return load_config(None, [
         "rollout.group_size=4", "rollout.batch_size=16", "rollout.max_new_tokens=6", "rollout.temperature=1.0",
@@ -213,5 +225,12 @@ if __name__ == "__main__":
     what, out = sys.argv[1], Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
     programs = {"equivalence": equivalence, "conformance": conformance, "mismatch": mismatch,
-                "train_filtered": train_filtered, "lora": lora}
-    programs[what](out, *sys.argv[3:])
+                "train_filtered": train_filtered, "lora": lora, "comm": comm}
+    code = 0
+    try:
+        programs[what](out, *sys.argv[3:])
+    except BaseException:                    # as Python would print it; the job fails on it
+        import traceback
+        traceback.print_exc()
+        code = 1
+    distributed.exit_process(code)           # a rank ends without racing gloo's threads

@@ -4,7 +4,7 @@ error; a report that cannot be written never hides that error."""
 import pytest
 
 from grpokit.cli import main
-from grpokit.train.loop import Trainer
+from grpokit.train.run import Trainer
 from tests.fixtures import small_overrides, tiny_run_inputs
 
 

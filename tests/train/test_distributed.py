@@ -277,7 +277,7 @@ def test_lora_under_fsdp2_trains_only_adapters_and_exports_the_merge(tmp_path):
     rank 0 writes gives the logits of the same adapters merged by PEFT in one unsharded process."""
     from transformers import AutoModelForCausalLM
 
-    from grpokit.train.lora import load_adapter_weights, wrap_lora
+    from grpokit.models.lora import load_adapter_weights, wrap_lora
     from tests.train.dist_programs import lora_config
 
     torchrun.run(2, torchrun.program("lora", tmp_path), timeout=300)
@@ -348,3 +348,88 @@ def test_export_writes_a_plain_model_and_refuses_an_incomplete_checkpoint(tmp_pa
     (ck / ckpt_lib.MARKER).unlink()
     assert main(["export", str(ck), str(tmp_path / "again")]) == 2
     assert "not a complete checkpoint" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- the launcher's failure line
+ABORT_BANNER = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+=====================================================
+tests/train/dist_programs.py FAILED
+-----------------------------------------------------
+Failures:
+[1]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : -6 (pid: 3358)  (SIGABRT)
+-----------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : -6 (pid: 3357)  (SIGABRT)
+  traceback : Signal 6 (SIGABRT) received by PID 3357
+=====================================================
+"""
+
+
+def test_the_failure_line_names_the_root_cause_rank_and_why(tmp_path):
+    from grpokit.train.launch import failure_line
+
+    assert failure_line(ABORT_BANNER, tmp_path, 2, 1) == "error: rank 0 of 2 failed (killed by SIGABRT)"
+    (tmp_path / "rank1.err").write_text("data.path: no such file\n")
+    exit2 = ABORT_BANNER.replace("rank      : 0 (local_rank: 0)", "rank      : 1 (local_rank: 1)").replace(
+        "exitcode  : -6 (pid: 3357)  (SIGABRT)", "exitcode  : 2 (pid: 3357)")
+    assert failure_line(exit2, tmp_path, 2, 1) == "error: rank 1 of 2 failed (exit code 2): data.path: no such file"
+    assert "before any rank reported" in failure_line("rendezvous timed out", tmp_path, 2, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_failed_launch_ends_with_one_line_naming_the_rank(tmp_path, inputs):
+    """`grpokit train --nproc 2` whose ranks stop on a user error: the last line names the rank,
+    its exit code and its own message."""
+    import subprocess
+    import sys
+
+    _, model_dir, train, _ = inputs
+    argv = ["train", "--nproc", "2", *small_overrides(model_dir, tmp_path / "missing.jsonl", tmp_path / "run", **{
+        "train.dist_timeout_s": 60})]
+    proc = subprocess.Popen([sys.executable, "-m", "grpokit", *argv], cwd=torchrun.REPO, env=torchrun.job_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the failed job did not end in 180 s")
+    finally:
+        torchrun.kill_group(proc)                      # nothing left behind, whatever happened
+    last = err.strip().splitlines()[-1]
+    assert proc.returncode != 0
+    assert last.startswith("error: rank ") and " of 2 failed (exit code 2): " in last and "missing.jsonl" in last, last
+
+
+# ---------------------------------------------------------------------- the Comm, one and two processes
+def test_the_single_process_comm_conforms():
+    from grpokit.train.comm import LocalComm
+    from tests.train.comm_conformance import check_comm
+
+    check_comm(LocalComm())
+
+
+def test_the_conformance_checks_catch_a_comm_that_drops_a_rank():
+    """The shared checks can fail: a two-rank comm whose gather loses rank 1's value."""
+    from tests.train.comm_conformance import check_comm
+
+    with pytest.raises(AssertionError):
+        check_comm(_LossyRanks())
+
+
+class _LossyRanks(distributed.DistContext):
+    def __init__(self):
+        super().__init__(mode="ddp", rank=0, world=2, local_rank=0, device=torch.device("cpu"))
+
+    def gather(self, obj):
+        return [obj, obj]                  # rank 1's value lost: rank 0's twice
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_gloo_comm_conforms(tmp_path):
+    torchrun.run(2, torchrun.program("comm", tmp_path), timeout=120)
+    assert sorted(p.name for p in tmp_path.glob("*.ok")) == ["rank0.ok", "rank1.ok"]

@@ -40,7 +40,9 @@ def test_engine_with_its_own_weights_matches_the_trained_policy_after_sync(setup
 
 def test_without_the_sync_the_engine_falls_behind(setup, monkeypatch):
     tr = _trainer(setup, "nosync")
-    monkeypatch.setattr(tr, "sync_weights", lambda: None)
+    from grpokit.train import step as step_mod
+
+    monkeypatch.setattr(step_mod, "sync_weights", lambda *a, **k: None)     # the step pushes nothing
     before = greedy_outputs(tr.engine, tr)[1]
     tr.step()
     stale, fresh = greedy_outputs(tr.engine, tr)[1], greedy_outputs(HFEngine(tr.model, tr.tokenizer), tr)[1]
@@ -94,7 +96,7 @@ def test_the_driver_frees_and_restores_engine_memory_around_each_rollout(setup):
         def resume_memory(self):
             calls.append("resume")
 
-    tr.engine = Spy(tr.engine)
+    tr.collector.engine = Spy(tr.engine)              # the collector owns the engine
     tr.step()
     assert calls == ["resume", "generate", "release"]
 
@@ -102,5 +104,5 @@ def test_the_driver_frees_and_restores_engine_memory_around_each_rollout(setup):
         def __init__(self, inner):
             self.generate = inner.generate
 
-    tr.engine = Bare(tr.engine.inner)
+    tr.collector.engine = Bare(tr.engine.inner)
     assert tr.step()["optim/grad_norm"] >= 0

@@ -17,9 +17,9 @@ pytest.importorskip("gguf", reason="the gguf package is not installed (pip insta
 
 from grpokit.cli import main as cli_main  # noqa: E402
 from grpokit.config import load_config  # noqa: E402
-from grpokit.train import build_trainer, gguf  # noqa: E402
-from grpokit.train.build import load_model, load_tokenizer  # noqa: E402
-from grpokit.train.model import ModelLoadError  # noqa: E402
+from grpokit.models import gguf, load_model, load_tokenizer  # noqa: E402
+from grpokit.models.hf import ModelLoadError  # noqa: E402
+from grpokit.train import build_trainer  # noqa: E402
 from tests.train.tiny_gguf import write_tiny_gguf  # noqa: E402
 
 

@@ -9,7 +9,7 @@ import torch
 from grpokit.config import load_config
 from grpokit.errors import ConfigError
 from grpokit.train import build_trainer
-from grpokit.train import loop as loop_mod
+from grpokit.train import run as run_mod
 from grpokit.train.checkpoint import load_weights
 from tests.fixtures import small_overrides, tiny_run_inputs
 
@@ -44,7 +44,7 @@ def _scripted(monkeypatch, scores):
     """The evaluation returns `scores` in turn (the evaluation itself is tested elsewhere; here the
     choice and the restore are)."""
     it = iter(scores)
-    monkeypatch.setattr(loop_mod, "held_out", lambda *a, **k: {"eval/pass@1": next(it)})
+    monkeypatch.setattr(run_mod, "held_out", lambda *a, **k: {"eval/pass@1": next(it)})
 
 
 def test_the_run_ends_with_the_best_policy_and_checkpoints_keep_the_last(setup, monkeypatch):

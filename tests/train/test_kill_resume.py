@@ -268,5 +268,5 @@ def test_sigkill_then_resume_continues_from_the_last_complete_checkpoint(killed_
 
 
 def _load(model_dir: Path):
-    from grpokit.train.model import load_model
+    from grpokit.models.hf import load_model
     return load_model(model_dir, dtype="float32", device="cpu")

@@ -7,7 +7,7 @@ import torch
 
 from grpokit.config import load_config
 from grpokit.train import build_trainer
-from grpokit.train.model import check_round_trip, load_model, load_tokenizer
+from grpokit.models.hf import check_round_trip, load_model, load_tokenizer
 from tests.fixtures import arithmetic_files, small_overrides, tiny_model_dir
 
 
@@ -133,7 +133,7 @@ def test_mask_truncated_takes_truncated_rows_out_of_the_loss(setup):
         torch.manual_seed(0)
         tr = build_trainer(cfg, health=False)
         G = cfg.rollout.group_size
-        sample, update, seen = tr.sample, tr.worker.train_step, []
+        sample, update, seen = tr.collector.sample, tr.worker.train_step, []
 
         def sample_two_groups_truncated(rows, *streams):
             batch = sample(rows, *streams)
@@ -144,7 +144,7 @@ def test_mask_truncated_takes_truncated_rows_out_of_the_loss(setup):
             seen.append(data)
             return update(data, beta, **kw)
 
-        tr.sample, tr.worker.train_step = sample_two_groups_truncated, spy_update
+        tr.collector.sample, tr.worker.train_step = sample_two_groups_truncated, spy_update
         before = _weights(tr.model).clone()
         m = tr.step()
         data = seen[0]

@@ -9,9 +9,9 @@ import torch
 from grpokit.config import load_config
 from grpokit.train import build_trainer
 from grpokit.train import forward as lean_forward
-from grpokit.train.lora import four_bit_unavailable, merged_state_dict
+from grpokit.models.lora import four_bit_unavailable, merged_state_dict
 from grpokit.train.batch import from_rollout
-from grpokit.train.build import load_model
+from grpokit.models import load_model
 from grpokit.train.logprobs import padded_logprobs
 from grpokit.train.reference import RefLogprobCache
 from tests.fixtures import arithmetic_files, small_overrides, tiny_model_dir

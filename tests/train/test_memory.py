@@ -11,7 +11,7 @@ import yaml
 from grpokit.config import load_config
 from grpokit.train import memory as mem
 from grpokit.train import memory_probe as probe
-from grpokit.train.model import load_model
+from grpokit.models.hf import load_model
 from tests.fixtures import arithmetic_files, small_overrides, tiny_model_dir
 
 DOC_ROWS = Path(__file__).resolve().parents[2] / "docs" / "memory_measured.json"
@@ -49,7 +49,7 @@ def test_parameter_counts_are_exact(tiny):
 
 def test_lora_and_4bit_weight_counts_match_the_libraries(tiny):
     root, model_dir, train = tiny
-    from grpokit.train.lora import four_bit_unavailable, load_4bit_model, wrap_lora
+    from grpokit.models.lora import four_bit_unavailable, load_4bit_model, wrap_lora
 
     cfg = load_config(None, small_overrides(model_dir, train, root / "x", **{"lora.enabled": True, "lora.rank": 4}))
     shape = mem.load_shape(str(model_dir))

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from grpokit.train import checkpoint as ckpt_lib
-from grpokit.train import sharded
-from grpokit.train.build import load_model, reference_for
-from grpokit.train.model import ModelLoadError
+from grpokit.models import load_model, sharded
+from grpokit.models.hf import ModelLoadError
+from grpokit.train.build import reference_for
 from grpokit.train.worker import LocalWorker
 from tests.train.dist_programs import equivalence_config, fixed_batch, tiny_policy, train_one_step
 

@@ -6,10 +6,10 @@ import torch
 from grpokit.config import load_config
 from grpokit.data.datasets import load_prompts
 from grpokit.train.batch import from_rollout
-from grpokit.train.build import build_policy, load_tokenizer
-from grpokit.train.loop import Trainer
+from grpokit.models import load_tokenizer
+from grpokit.train.build import build_policy
 from grpokit.train.worker import LocalWorker, lr_lambda
-from grpokit.train import build_rewards
+from grpokit.train import build_run
 from tests.fixtures import tiny_run_inputs
 from tests.train.worker_conformance import check_worker
 
@@ -36,7 +36,7 @@ def _factory(setup, name, **extra):
         return LocalWorker(cfg, policy, tok, reference)
 
     def make_batch(worker):
-        tr = Trainer(cfg, worker.model, tok, load_prompts(train), build_rewards(cfg), worker=worker)
+        tr = build_run(cfg, worker=worker, tokenizer=tok, dataset=load_prompts(train), health=False, report=False)
         tr.gen.manual_seed(1)
         b = from_rollout(tr.sample(rows), [0, 1], rows, 4)
         return tr.score(b)

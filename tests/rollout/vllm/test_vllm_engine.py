@@ -229,7 +229,7 @@ def test_an_engine_over_a_model_directory_through_the_registry(tmp_path):
     from transformers import GenerationConfig
 
     from grpokit.rollout.registry import build_engine
-    from grpokit.train.model import load_model, load_tokenizer
+    from grpokit.models.hf import load_model, load_tokenizer
 
     path = tiny_dir(tmp_path / "model", "llama", seed=1)
     extra_eos = 5

@@ -1,7 +1,8 @@
 """Loading local Hugging Face causal LMs and tokenizers (nothing is ever downloaded).
 
 A leaf: imports nothing else of grpokit. Directories holding LoRA adapters alone are loaded by
-`grpokit.train.build.load_model` / `load_tokenizer`, which dispatch here or to grpokit.train.lora."""
+`grpokit.models.load_model` / `load_tokenizer` (grpokit.models.loading), which dispatch here or to
+grpokit.models.lora."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False):
 
     p = _check_dir(path)
     if not (p / "tokenizer_config.json").is_file() and (p / "adapter_config.json").is_file():
-        raise ModelLoadError(f"{p}: LoRA adapters without a tokenizer (load them with grpokit.train.build.load_tokenizer)")
+        raise ModelLoadError(f"{p}: LoRA adapters without a tokenizer (load them with grpokit.models.load_tokenizer)")
     cfg_file = p / "tokenizer_config.json"
     saved_class = json.loads(cfg_file.read_text()).get("tokenizer_class") if cfg_file.is_file() else None
     if saved_class in _GENERIC_TOKENIZERS and (p / "tokenizer.json").is_file():
@@ -87,7 +88,7 @@ def load_model(path: str | Path, *, dtype: str = "auto", device: str = "auto",
 
     p = _check_dir(path)
     if not (p / "config.json").is_file():
-        raise ModelLoadError(f"{p}: LoRA adapters alone, not a model (load them with grpokit.train.build.load_model)")
+        raise ModelLoadError(f"{p}: LoRA adapters alone, not a model (load them with grpokit.models.load_model)")
     dev = resolve_device(device)
     try:
         model = AutoModelForCausalLM.from_pretrained(

@@ -9,7 +9,7 @@ an ordinary directory. Conversions are cached under `$GRPOKIT_CACHE/gguf/<sha256
 converted twice and a changed file never reuses a stale directory. A directory is written under a
 temporary name and renamed into place: an interrupted conversion never leaves a half directory.
 
-A leaf like grpokit.train.model: it imports only ModelLoadError from there.
+A leaf like grpokit.models.hf: it imports only ModelLoadError from there.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from grpokit.train.model import ModelLoadError
+from grpokit.models.hf import ModelLoadError
 
-log = logging.getLogger("grpokit.train")
+log = logging.getLogger("grpokit.models")
 
 CACHE_ENV = "GRPOKIT_CACHE"
 GGUF_MAGIC = b"GGUF"

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
-from grpokit.train.model import ModelLoadError, _check_dir, load_model, resolve_device, resolve_dtype
+from grpokit.models.hf import ModelLoadError, _check_dir, load_model, resolve_device, resolve_dtype
 
 # bitsandbytes logs a warning at import on CPUs with AVX512-BF16 when the optional `kernels`
 # package is absent; it then uses its own (slower) kernel, which is fine for us.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
-log = logging.getLogger("grpokit.train")
+log = logging.getLogger("grpokit.models")
 
 # Modules that get adapters with `lora.target_modules: auto`: every attention and MLP projection
 # (QLoRA paper: adapters on all linear layers matter more than the rank). Others: peft's "all-linear".

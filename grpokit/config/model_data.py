@@ -1,0 +1,74 @@
+"""Config sections `model` and `data` (with its `data.curriculum`)."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from grpokit._names import did_you_mean
+from grpokit.config.base import _Section
+
+
+class ModelConfig(_Section):
+    path: str = "tiny"
+    """Local Hugging Face causal-LM directory, or a `.gguf` file (converted once into a plain directory
+    cached under `$GRPOKIT_CACHE/gguf`). Nothing is ever downloaded: a missing path is an error."""
+    gguf_file: str = ""
+    """A GGUF file name inside the directory `path` (the alternative to `path` naming the file)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights dtype; `auto` is float32 on CPU and bfloat16 on a CUDA GPU."""
+    device: str = "auto"
+    """`auto` (CUDA when available, else CPU), `cpu` or `cuda[:N]`."""
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if value != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?|mps|xpu(:\d+)?", value):
+            raise ValueError(f"unknown device {value!r}{did_you_mean(value, ['auto', 'cpu', 'cuda', 'mps', 'xpu'])} "
+                             f"(use auto, cpu, cuda or cuda:N)")
+        return value
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward (less memory, about 30% more compute)."""
+    trust_remote_code: bool = False
+    """Allow model code shipped inside the model directory."""
+
+
+class CurriculumConfig(_Section):
+    enabled: bool = False
+    """Curriculum sampling (grpokit.data.curriculum): easier prompts first."""
+    start: float = Field(0.3, ge=0, le=1)
+    """Difficulty threshold at step 0 (difficulty = 1 - pass rate)."""
+    end: float = Field(1.0, ge=0, le=1)
+    """Difficulty threshold once the ramp is over."""
+    ramp_steps: int = Field(100, ge=1)
+    """Steps over which the threshold rises linearly."""
+    pool_factor: int = Field(4, ge=1)
+    """Candidates considered per prompt drawn."""
+    ema: float = Field(0.5, gt=0, le=1)
+    """Weight of the newest pass rate in a prompt's difficulty estimate."""
+    prior_field: str = "difficulty"
+    """Dataset column holding a prior difficulty in [0, 1] for unseen prompts."""
+    prior: float = Field(0.5, ge=0, le=1)
+    """Difficulty of an unseen prompt without that column."""
+
+
+class DataConfig(_Section):
+    path: str = ""
+    """Prompt dataset: a .jsonl / .parquet file or a `datasets` dataset saved on disk."""
+    eval_path: str = ""
+    """Held-out prompts for `eval/pass@1` (same format); empty disables evaluation."""
+    prompt_field: str = "prompt"
+    """Column holding the prompt (a string, or a list of chat messages)."""
+    answer_field: str = "answer"
+    """Column holding the reference answer; passed to rewards as `answer`."""
+    chat_template: Literal["auto", "never", "always"] = "auto"
+    """Apply the tokenizer's chat template: `auto` does so for conversational prompts when the
+    tokenizer has one."""
+    shuffle: bool = True
+    """Reshuffle the prompts every epoch (seeded)."""
+    eval_size: int = Field(0, ge=0)
+    """Evaluate on at most this many held-out prompts (0 = all)."""
+    curriculum: CurriculumConfig = CurriculumConfig()
+    """Curriculum sampling by tracked pass rate."""

@@ -1,0 +1,131 @@
+"""Config section `rollout` (with its `rollout.vllm`): the generation engine and sampling."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from grpokit.config.base import EngineName, _Section, check_failed
+from grpokit.errors import ConfigError
+
+
+class VLLMConfig(_Section):
+    """The in-process vLLM engine (`rollout.engine: vllm`, grpokit.rollout.vllm; docs/rollout.md)."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights dtype inside vLLM; `auto` is the policy's own dtype (for an engine built over a model
+    directory: float32 on CPU, bfloat16 on CUDA, as `model.dtype: auto`)."""
+    max_model_len: int | None = Field(None, ge=1)
+    """Longest prompt + completion vLLM holds; None = the model's `max_position_embeddings`."""
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    """Fraction of the device's memory vLLM may take (weights + KV cache), shared with training when
+    colocated (on CPU: the fraction of host memory). Ignored when `kv_cache_memory_bytes` is set."""
+    kv_cache_memory_bytes: int | None = Field(None, ge=1)
+    """KV cache size in bytes, instead of sizing it from `gpu_memory_utilization`."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Devices one vLLM engine shards the model over."""
+    enable_sleep_mode: bool = False
+    """Free vLLM's device memory between rollouts (`release_memory` / `resume_memory` around each
+    one; CUDA only, ignored with a log line elsewhere)."""
+    sleep_level: Literal[1, 2] = 1
+    """1: weights are moved to host memory while asleep and the KV cache dropped; 2: both dropped
+    (less host memory; the weights pushed after the next optimizer step refill them)."""
+    enforce_eager: bool = False
+    """No CUDA graphs / torch.compile: faster start, slower decoding."""
+    engine_kwargs: dict[str, Any] = {}
+    """Further keyword arguments for `vllm.LLM` (e.g. `max_num_seqs`, `enable_prefix_caching`)."""
+
+
+class RolloutConfig(_Section):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
+                              validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
+
+    engine: EngineName = "hf"
+    """Generation engine, a name in `grpokit.rollout.ENGINES` (`hf`: the policy itself through
+    transformers with a KV cache, in-process; `hf_copy`: the same over its own copy of the
+    weights, synced after every optimizer step; `vllm`: vLLM in this process, options in
+    `rollout.vllm`; `server`: a `grpokit rollout-server` process at
+    `rollout.server`; add one with `grpokit.rollout.register_engine`). docs/rollout.md compares them."""
+    server: str | None = None
+    """`rollout.engine: server`: HOST:PORT of a running `grpokit rollout-server`."""
+    server_timeout_s: float = Field(600.0, gt=0)
+    """Longest wait for one rollout-server request (a generation, a weight update) and for its
+    weight group to form."""
+    server_retries: int = Field(3, ge=1)
+    """Tries of a rollout-server request that gets no answer before the run stops with an error (its
+    last checkpoint intact; `--resume` with a restarted server continues)."""
+    async_: bool = Field(False, alias="async")
+    """`rollout.async`: one-step-off-policy overlap. The engine generates the next batch with the
+    current weights while the trainer updates on this one, so every batch after the first is one
+    step stale (`rollout/staleness`), corrected by the importance weights of `is_correction`.
+    Needs an engine that generates in the background (`server`). Off: every batch comes from
+    the latest weights."""
+    is_correction: bool = True
+    """When the engine holds its own weights (its numerics may differ from the trainer's): weight
+    each token's loss by the truncated importance ratio pi_old / pi_sampler (docs/algorithms.md,
+    "Sampler/trainer mismatch"). pi_old is recomputed by the trainer either way."""
+    is_cap: float = Field(2.0, gt=0)
+    """Truncation C of the importance weights min(pi_old / pi_sampler, C)."""
+    group_size: int = 16
+    """G: completions sampled per prompt."""
+    batch_size: int = Field(64, ge=1)
+    """Completions per step (prompts per step = batch_size / group_size)."""
+    temperature: float = Field(0.8, gt=0)
+    """Sampling temperature. Log-probs for the loss use logits / temperature, like the sampler."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass (1 = off)."""
+    top_k: int = Field(0, ge=0)
+    """Sample among the k most likely tokens (0 = off)."""
+    max_new_tokens: int = 2048
+    """Longest completion in tokens; longer ones are cut and marked `finish_reason=length`."""
+    ignore_eos: bool = False
+    """Keep sampling after an EOS token (every completion is `max_new_tokens` long, finish_reason
+    `length`); for benchmarks that need the same token count every step."""
+    resample_threshold: float | None = Field(None, gt=0, lt=1)
+    """Over-confidence resampling (practitioner's rule "DAPO as practised"): when the top token's
+    probability exceeds this, sample from the distribution with that token excluded. None = off."""
+    @field_validator("server")
+    @classmethod
+    def _address(cls, value):
+        if value is not None:
+            from grpokit.rollout.client import parse_address
+            try:
+                parse_address(value)
+            except ConfigError as exc:
+                raise ValueError(str(exc).removeprefix("rollout.server ")) from None
+        return value
+
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and refill the batch with
+    fresh prompts, up to `max_sampling_rounds` generation rounds."""
+    dynamic_sampling_on: Literal["reward", "pass"] = "reward"
+    """What a group kept by dynamic sampling must vary in: `reward`, the total reward (a group whose
+    answers differ only in a shaping term, e.g. a format reward, is kept); `pass`, whether each
+    completion passes the first reward at `algorithm.pass_threshold` (DAPO's Eq. 11, 0 < #correct
+    < G): only groups holding both right and wrong answers train."""
+    max_sampling_rounds: int = Field(3, ge=1)
+    """Generation rounds per step with dynamic sampling (the batch may stay short after them)."""
+    vllm: VLLMConfig = VLLMConfig()
+    """Options of the `vllm` engine."""
+
+    @model_validator(mode="after")
+    def _combinations(self):
+        if self.group_size < 2:
+            raise check_failed("rollout.group_size must be >= 2 (group-relative advantages need a group)")
+        if self.batch_size % self.group_size:
+            raise check_failed(f"rollout.batch_size ({self.batch_size}) must be divisible by rollout.group_size "
+                               f"({self.group_size})")
+        if self.engine == "server" and not self.server:
+            raise check_failed("rollout.engine=server needs rollout.server=HOST:PORT "
+                               "(a running `grpokit rollout-server`)")
+        if self.max_new_tokens <= 0:
+            raise check_failed("rollout.max_new_tokens must be > 0")
+        if self.engine == "vllm" and self.resample_threshold is not None:
+            raise check_failed("rollout.resample_threshold is not supported by rollout.engine=vllm "
+                               "(vLLM cannot exclude the over-confident token); use engine hf or hf_copy")
+        return self
+
+    def check_config(self, cfg) -> None:
+        if self.batch_size % cfg.algorithm.mini_batches:
+            raise check_failed("rollout.batch_size must be divisible by algorithm.mini_batches")

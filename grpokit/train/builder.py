@@ -1,0 +1,248 @@
+"""From config to a run: the one place where config becomes objects.
+
+`build_run(cfg)` loads and checks the prompts, joins the job (a `Comm`: one process, or a rank of
+torchrun's), loads the policy and its reference, and wires the worker, the rollout engine, the
+rewards, the transforms, the KL controller, the guard, the health monitor and the run directory
+into a `Trainer` (grpokit.train.run). The CLI, `grpokit.GRPO`, the demo, `compare`, the benches and
+the examples all build through it, so a run behaves the same whichever face started it;
+`build_eval` does the same for `grpokit eval`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from grpokit.errors import ConfigError
+
+log = logging.getLogger("grpokit.train")
+
+
+# ---------------------------------------------------------------------- parts
+def build_rewards(cfg, *, run_dir=None):
+    """The run's RewardSet, with the cross-checker when one is configured."""
+    from grpokit.rewards import CrossCheck, RewardSet
+
+    cc = None
+    if cfg.crosscheck is not None:
+        dump = Path(run_dir or cfg.train.run_dir) / "disagreements.jsonl"
+        cc = CrossCheck(**cfg.crosscheck.model_dump(), dump_path=dump, seed=cfg.train.seed)
+    return RewardSet.from_specs([s.model_dump() for s in cfg.rewards], crosscheck=cc)
+
+
+def build_health(cfg):
+    """The health monitor, with the thresholds that live elsewhere in the config filled in unless the
+    user set them: the KL controller's upper target for `kl_climbing.kl_high`, the guard's tolerance
+    for `ref_drift.tolerance`. Each field is checked on its own, so setting another field of the same
+    alarm (e.g. `health.kl_climbing.action=stop`) keeps the filled-in value."""
+    from grpokit.monitor.health import HealthConfig, HealthMonitor
+    from grpokit.config.kl_control import kl_target_high
+
+    h = cfg.health.model_dump()
+    if "kl_high" not in cfg.health.kl_climbing.model_fields_set:
+        h["kl_climbing"]["kl_high"] = kl_target_high(cfg)
+        if "unit" not in cfg.health.kl_climbing.model_fields_set:
+            h["kl_climbing"]["unit"] = cfg.algorithm.kl.target_unit
+    if "tolerance" not in cfg.health.ref_drift.model_fields_set:
+        h["ref_drift"]["tolerance"] = cfg.guard.ref_tolerance
+    return HealthMonitor(HealthConfig(**h), cfg.train.run_dir, print_fn=log.warning)
+
+
+def load_datasets(cfg, dataset=None, eval_dataset=None):
+    """The training and held-out `PromptDataset`s (`data.path`, `data.eval_path`, or those given),
+    checked to hold every column the configured rewards read (grpokit.rewards.user.check_columns)."""
+    from grpokit.data.datasets import load_prompts
+    from grpokit.rewards import check_columns
+
+    d = cfg.data
+    if dataset is None:
+        dataset = load_prompts(d.path, prompt_field=d.prompt_field, answer_field=d.answer_field)
+    if eval_dataset is None and d.eval_path:
+        eval_dataset = load_prompts(d.eval_path, prompt_field=d.prompt_field, answer_field=d.answer_field)
+    for ds, what in ((dataset, "data.path"), (eval_dataset, "data.eval_path")):
+        if ds is not None:
+            check_columns(cfg.rewards, ds.rows, ds.source or what)
+    return dataset, eval_dataset
+
+
+def open_comm(cfg):
+    """This process's `Comm`: a rank of the torchrun job it was started in, else a single process."""
+    from grpokit.train import distributed
+    from grpokit.train.comm import LocalComm
+
+    return distributed.init(cfg) or LocalComm()
+
+
+def step_settings(cfg):
+    """What `grpokit.train.step.Step` needs of the config."""
+    from grpokit.train.step import StepSettings
+
+    a, r = cfg.algorithm, cfg.rollout
+    return StepSettings(
+        advantage=a.advantage, adv_eps=a.adv_eps,
+        length_buckets=a.length_buckets, bucket_mode=a.bucket_mode if a.length_buckets is not None else None,
+        kl_in_reward=a.kl.in_reward, kl_unit=a.kl.target_unit, resampling=r.resample_threshold is not None,
+        is_cap=r.is_cap, is_correction=r.is_correction, old_logp_needed=a.mu > 1 or a.mini_batches > 1,
+        pass_reward=cfg.rewards[0].name, pass_threshold=a.pass_threshold)
+
+
+def sampling_params(cfg):
+    from grpokit.rollout.base import SamplingParams
+
+    r = cfg.rollout
+    return SamplingParams(n=r.group_size, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                          top_p=r.top_p, top_k=r.top_k, resample_threshold=r.resample_threshold,
+                          ignore_eos=r.ignore_eos)
+
+
+def _policy(cfg, model, tokenizer, datasets, comm):
+    """(policy, reference, tokenizer, encoder), the tokenizer and the prompts checked against it."""
+    from grpokit.train.build import build_policy
+    from grpokit.models import load_tokenizer
+    from grpokit.models.hf import check_round_trip
+    from grpokit.train.prompts import PromptEncoder, check_prompts, max_positions
+
+    m = cfg.model
+    if tokenizer is None:
+        tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code, gguf_file=m.gguf_file)
+    # the policy (LoRA / QLoRA when lora.enabled) and its reference (grpokit.train.reference), or None
+    model, reference = build_policy(cfg, model)
+    train = datasets[0]
+    check_round_trip(tokenizer, [r["prompt"] for r in train.rows[:8] if isinstance(r["prompt"], str)])
+    encoder = PromptEncoder(tokenizer, cfg.data.chat_template)
+    for ds, what in zip(datasets, ("data.path", "data.eval_path")):
+        if ds is not None:
+            check_prompts(encoder, ds.rows, ds.source or what, max_new_tokens=cfg.rollout.max_new_tokens,
+                          positions=max_positions(model))
+    return model, reference, tokenizer, encoder
+
+
+def _report_at_exit(trainer) -> None:
+    """RUN_DIR/report.html. A failure is logged, never raised: it must neither lose a finished run
+    nor hide the error that stopped one."""
+    try:
+        from grpokit.monitor.report import write_report
+        print(f"report: {write_report(trainer.run_dir)}")
+    except Exception as exc:  # noqa: BLE001
+        log.warning("could not write the report: %s", exc)
+
+
+def _fresh_start_notes(cfg, rewards, dataset, encoder):
+    """The set-up warnings of a fresh (not resumed) run: the batch-size advice and the rewards'
+    determinism check."""
+    from grpokit.rewards.determinism import check_rows
+    from grpokit.train.build import batch_advice
+
+    def notes() -> list[str]:
+        out = [a for a in [batch_advice(cfg)] if a]
+        if cfg.train.check_rewards:              # rewards must be deterministic
+            out += list(check_rows(rewards, dataset, prompt_text=encoder.text,
+                                   max_new_tokens=cfg.rollout.max_new_tokens))
+        return out
+    return notes
+
+
+# ---------------------------------------------------------------------- the run
+def build_run(cfg, *, model=None, tokenizer=None, dataset=None, eval_dataset=None, worker=None, engine=None,
+              health: bool = True, report: bool = True):
+    """A ready `Trainer` for `cfg`. `model` / `tokenizer`: already loaded ones instead of
+    `model.path`'s; `dataset` / `eval_dataset`: `PromptDataset`s (grpokit.data.datasets) instead of
+    `data.path` / `data.eval_path`'s; `worker`: a built training worker (its model and reference are
+    the run's); `engine`: a rollout engine instead of `rollout.engine`'s. `health`: run the health
+    monitor (on the main rank); `report`: write RUN_DIR/report.html when `train` ends."""
+    from grpokit.monitor.sinks import check_sinks
+
+    check_sinks(cfg)          # a missing wandb / mlflow package: one line now, before the model loads
+    # the prompts, and the columns the rewards read, are checked before the (slow) model loading
+    dataset, eval_ds = load_datasets(cfg, dataset, eval_dataset)
+    if cfg.train.keep_best and eval_ds is None:
+        raise ConfigError("train.keep_best needs a validation split (data.eval_path) and one process")
+    comm = open_comm(cfg)     # a single process: rank 0 of 1 (docs/distributed.md)
+    try:
+        if cfg.train.keep_best and comm.world > 1:
+            raise ConfigError("train.keep_best runs in one process only")
+        return _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, health, report)
+    except BaseException:
+        comm.close()
+        raise
+
+
+def _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, health, report):
+    from grpokit.data.curriculum import Curriculum
+    from grpokit.data.datasets import PromptSampler
+    from grpokit.rollout.registry import build_engine
+    from grpokit.train.collect import Collector
+    from grpokit.train.distributed import GatheredEngine
+    from grpokit.train.guard import Guard
+    from grpokit.config.kl_control import build_kl_controller
+    from grpokit.train.prompts import PromptEncoder
+    from grpokit.train.reference import ReferenceProbe
+    from grpokit.train.run import Trainer
+    from grpokit.train.rundir import RunDir
+    from grpokit.train.step import Step
+    from grpokit.train.transforms import DynamicSampling, build_transforms
+    from grpokit.train.worker import LocalWorker
+
+    if worker is None:
+        model, reference, tokenizer, encoder = _policy(cfg, model, tokenizer, (dataset, eval_ds), comm)
+        if comm.mode != "none":
+            from grpokit.train.dist_worker import DataParallelWorker
+            worker = DataParallelWorker(cfg, model, tokenizer, reference, comm)   # DDP / FSDP2 over this rank's copy
+        else:
+            worker = LocalWorker(cfg, model, tokenizer, reference)
+    else:
+        if tokenizer is None:
+            raise ConfigError("build_run: a worker comes with its tokenizer (tokenizer=)")
+        encoder = PromptEncoder(tokenizer, cfg.data.chat_template)
+    r, cur = cfg.rollout, cfg.data.curriculum
+    if engine is None:
+        engine = build_engine(r.engine, worker.model, tokenizer, rollout=r)
+    if getattr(worker, "gathered", None) is not None:     # sharded weights: gathered once per rollout
+        engine = GatheredEngine(engine, worker)
+    dev = next(worker.model.parameters()).device
+    gen = torch.Generator(device="cpu" if dev.type == "cpu" else dev)
+    gen.manual_seed(cfg.train.seed)
+    curriculum = (Curriculum(start=cur.start, end=cur.end, ramp_steps=cur.ramp_steps, pool_factor=cur.pool_factor,
+                             ema=cur.ema, prior=cur.prior, prior_field=cur.prior_field) if cur.enabled else None)
+    dynamic = None
+    if r.dynamic_sampling:
+        dynamic = DynamicSampling(cfg.rewards[0].name if r.dynamic_sampling_on == "pass" else None,
+                                  cfg.algorithm.pass_threshold)
+    rewards = build_rewards(cfg)
+    collector = Collector(
+        engine=engine, encoder=encoder, rewards=rewards, dataset=dataset, comm=comm, gen=gen,
+        sampler=PromptSampler(len(dataset), seed=cfg.train.seed, shuffle=cfg.data.shuffle),
+        params=sampling_params(cfg), prompts_per_step=cfg.prompts_per_step, seed=cfg.train.seed,
+        max_rounds=r.max_sampling_rounds, dynamic=dynamic, curriculum=curriculum, pool_factor=cur.pool_factor,
+        pad_id=tokenizer.pad_token_id, async_=r.async_, steps=cfg.train.steps)
+    run = RunDir(cfg, comm)
+    probe = ReferenceProbe(cfg.guard) if worker.reference is not None and cfg.guard.ref_check_every else None
+    step = Step(settings=step_settings(cfg), collector=collector, worker=worker,
+                transforms=build_transforms(cfg, tokenizer=tokenizer, curriculum=curriculum),
+                kl_ctl=build_kl_controller(cfg), guard=Guard(cfg.guard.max_consecutive_bad), comm=comm, run=run,
+                ref_probe=probe, seed=cfg.train.seed)
+    monitor = build_health(cfg) if health and comm.is_main else None
+    on_exit = ([_report_at_exit] if report and comm.is_main else []) + [lambda _: comm.close()]
+    return Trainer(cfg, step=step, worker=worker, run=run, comm=comm, tokenizer=tokenizer, dataset=dataset,
+                   rewards=rewards, encoder=encoder, eval_dataset=eval_ds, health=monitor, on_exit=on_exit,
+                   fresh_notes=_fresh_start_notes(cfg, rewards, dataset, encoder))
+
+
+# ---------------------------------------------------------------------- evaluation
+def build_eval(cfg, model_path: str):
+    """(engine, encoder, rewards, dataset) for scoring `model_path` on `data.path` (`grpokit eval`):
+    the prompts and their columns checked before the model loads, the prompts against its context."""
+    from grpokit.data.datasets import PromptDataset
+    from grpokit.rollout.registry import build_engine
+    from grpokit.models import load_model, load_tokenizer
+    from grpokit.train.prompts import PromptEncoder, check_prompts, max_positions
+
+    ds, _ = load_datasets(cfg)
+    tok = load_tokenizer(model_path)
+    model = load_model(model_path, dtype=cfg.model.dtype, device=cfg.model.device)
+    encoder = PromptEncoder(tok, cfg.data.chat_template)
+    check_prompts(encoder, ds.rows, ds.source, max_new_tokens=cfg.rollout.max_new_tokens, positions=max_positions(model))
+    engine = build_engine(cfg.rollout.engine, model, tok, rollout=cfg.rollout)
+    return engine, encoder, build_rewards(cfg), PromptDataset(ds.rows)

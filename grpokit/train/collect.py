@@ -1,0 +1,154 @@
+"""One rollout round: the prompts of a step drawn, their G completions generated and scored, and,
+with dynamic sampling (DAPO, Yu et al. 2025), groups that carry no signal dropped and refilled from
+fresh prompts, up to `rollout.max_sampling_rounds` rounds.
+
+In a data-parallel job each rank collects its own whole groups of the step's global draw (the
+`Comm` says which, and how many kept groups the job still needs); one process is rank 0 of 1 and
+runs the same code. With `rollout.async` the first round's batch was generated while the previous
+step trained (grpokit.train.overlap).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from grpokit.data.curriculum import Curriculum
+from grpokit.data.datasets import PromptSampler
+from grpokit.rollout.base import PromptStreams, RolloutBatch, SamplingParams
+from grpokit.train import batch as batch_lib
+from grpokit.train.batch import Batch
+from grpokit.train.comm import Comm
+from grpokit.train.overlap import OneStepOffPolicy
+from grpokit.train.prompts import PromptEncoder
+from grpokit.train.transforms import DynamicSampling, StepContext, rewards_tensor
+
+
+def owns_weights(engine) -> bool:
+    """True for an engine that samples with its own copy of the weights (pushed after each step)."""
+    return bool(getattr(engine, "owns_weights", False))
+
+
+class Collector:
+    """Generates and scores one step's batch of `prompts_per_step` groups (this rank's share)."""
+
+    def __init__(self, *, engine, encoder: PromptEncoder, rewards, dataset, sampler: PromptSampler, comm: Comm,
+                 gen: torch.Generator, params: SamplingParams, prompts_per_step: int, seed: int,
+                 max_rounds: int = 1, dynamic: DynamicSampling | None = None, curriculum: Curriculum | None = None,
+                 pool_factor: int = 1, pad_id: int = 0, async_: bool = False, steps: int = 0):
+        self.engine, self.encoder, self.rewards, self.dataset = engine, encoder, rewards, dataset
+        self.sampler, self.comm, self.gen, self.params = sampler, comm, gen, params
+        self.P, self.seed, self.dynamic, self.curriculum = prompts_per_step, seed, dynamic, curriculum
+        self.rounds = max_rounds if dynamic is not None else 1
+        self.pool_factor, self.pad_id, self.steps = pool_factor, pad_id, steps
+        self.overlap = (OneStepOffPolicy(engine, lambda: self.draw_prompts(self.P, self.step_idx),
+                                         self.encode_prompts, params, gen) if async_ else None)
+        self.step_idx = 0                            # the step being collected (async draws read it)
+
+    def encode_prompts(self, idx: list[int]) -> list[list[int]]:
+        return [self.encoder.encode(self.dataset[i]["prompt"]) for i in idx]
+
+    def sample(self, rows: list[dict], streams: PromptStreams | None = None) -> RolloutBatch:
+        """Completions of `rows` from the run's generator, or one stream per prompt."""
+        return self.engine.generate([self.encoder.encode(row["prompt"]) for row in rows], self.params,
+                                    self.gen if streams is None else streams)
+
+    def score(self, batch: Batch) -> Batch:
+        """Fill the batch's rewards: weighted totals (NaN = could not be scored) and each function's."""
+        keys = sorted({k for row in batch.rows for k in row if k != "prompt"})
+        columns = {k: [row.get(k) for row in batch.rows] for k in keys}
+        columns.update(completion_length=batch.lengths.tolist(), finish_reason=list(batch.finish_reason),
+                       group_id=batch.group_id.tolist(), max_new_tokens=[self.params.max_new_tokens] * len(batch))
+        out = self.rewards.score([self.encoder.text(row["prompt"]) for row in batch.rows], batch.completions, columns)
+        batch.rewards = rewards_tensor(out.total)
+        batch.scores = {k: list(v) for k, v in out.per_fn.items()}
+        batch.reward_metrics = {k: float(v) for k, v in out.metrics.items()}
+        return batch
+
+    def draw_prompts(self, n: int, step: int) -> list[int]:
+        """Dataset indices for n prompts: the shuffled order, or the curriculum's pick from it."""
+        if self.curriculum is None:
+            return self.sampler.next(n)
+        pool = self.sampler.next(n * self.pool_factor)
+        return self.curriculum.choose(pool, [self.dataset[i] for i in pool], n, step)
+
+    def collect(self, step: int) -> tuple[Batch, dict]:
+        """Sample and score one batch of `prompts_per_step` groups. With dynamic sampling, groups
+        whose rewards are all equal are dropped and fresh prompts sampled, up to `max_rounds`
+        rounds; if none survives, the last round's batch is used as is."""
+        P, G, comm = self.P, self.params.n, self.comm
+        self.step_idx = step
+        kept: list[Batch] = []
+        n_kept, t_roll, t_rew = 0, 0.0, 0.0
+        self.engine_memory("resume_memory")          # a colocated engine gets its memory back
+        for r in range(self.rounds):
+            t = time.perf_counter()
+            if self.overlap is not None and r == 0:   # generated while the last step trained
+                idx, rb = self.overlap.take()
+                rows = [self.dataset[i] for i in idx]
+            else:                                     # this rank's whole groups of the global draw
+                idx = comm.my_prompts(self.draw_prompts(P, step))
+                seeds = comm.group_streams(self.seed, step, r * P, P)
+                rows = [self.dataset[i] for i in idx]
+                rb = self.sample(rows, PromptStreams(seeds) if seeds is not None else None)
+            t_roll += time.perf_counter() - t
+            if r == 0:
+                staleness = self.staleness(rb, step)
+            t = time.perf_counter()
+            fresh = self.score(batch_lib.from_rollout(rb, idx, rows, G, step=step,
+                                                      first_group=comm.first_group(r, P)))
+            t_rew += time.perf_counter() - t
+            if self.dynamic is None:
+                kept = [fresh]
+                break
+            good = self.dynamic(fresh, StepContext(step))
+            mine, n_new = comm.keep_groups(len(good.groups), P - n_kept)    # the quota is the job's
+            if mine < len(good.groups):
+                good = batch_lib.slice_groups(good, good.groups[:mine])
+            if len(good):
+                kept.append(good)
+            n_kept += n_new
+            if n_kept >= P:
+                break
+        if self.overlap is not None and step + 1 < self.steps:
+            self.overlap.submit()                     # batch k+1 from weights k, while step k trains
+        else:
+            self.engine_memory("release_memory")      # ... and gives it to the update
+        metrics = {"time/rollout": t_roll, "time/reward": t_rew, "dynamic/rounds": float(r + 1),
+                   "dynamic/kept_groups": float(n_kept if self.dynamic is not None else P), **staleness}
+        batch = batch_lib.concat(kept or [fresh], self.pad_id)
+        metrics.update(batch_lib.merged_reward_metrics(kept or [fresh]))
+        return batch, metrics
+
+    def staleness(self, rb: RolloutBatch, step: int) -> dict[str, float]:
+        """`rollout/staleness`: optimizer steps between the weights that sampled `rb` and the ones
+        about to train on it (engines that report a weights version). Weights that have trained k
+        steps are version k, so it is `step - version`: 0 on-policy, at most 1 with
+        `rollout.async`; anything else means the engine sampled from weights it should not have."""
+        if rb.weights_version is None:
+            return {}
+        staleness, allowed = step - rb.weights_version, int(self.overlap is not None)
+        if not 0 <= staleness <= allowed:
+            raise RuntimeError(f"step {step + 1}: the rollout engine sampled with weights version "
+                               f"{rb.weights_version}, {staleness} steps behind the trainer's (allowed: {allowed})")
+        return {"rollout/staleness": float(staleness)}
+
+    def engine_memory(self, what: str) -> None:
+        """Call the engine's optional `release_memory` / `resume_memory` when it has one."""
+        fn = getattr(self.engine, what, None)
+        if fn is not None:
+            fn()
+
+    def state_dict(self) -> dict:
+        return {"sampler": self.sampler.state_dict(), "gen": self.gen.get_state(),
+                "curriculum": self.curriculum.state_dict() if self.curriculum is not None else None,
+                "rollout_in_flight": self.overlap.state_dict() if self.overlap is not None else None}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.sampler.load_state_dict(s["sampler"])
+        self.gen.set_state(s["gen"])
+        if self.curriculum is not None and s.get("curriculum"):
+            self.curriculum.load_state_dict(s["curriculum"])
+        if self.overlap is not None:
+            self.overlap.load_state_dict(s.get("rollout_in_flight"))

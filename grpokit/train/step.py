@@ -1,0 +1,210 @@
+"""One GRPO step, as DeepSeekMath's Algorithm 1 (Shao et al. 2024) writes it:
+
+  1. draw B prompts, sample G completions each with the rollout engine;      (the collector)
+  2. score every completion with the reward functions (a failing reward scores None -> excluded);
+  3. batch transforms (grpokit.train.transforms): overlong masking, proxy filters, curriculum,
+     wrong-answer rewriting (dynamic sampling acts while collecting);
+  4. reference log-probs once per batch; pi_old only when it differs from the current policy
+     (mu > 1, several mini-batches, an engine with its own weights, over-confidence resampling);
+  5. group-relative advantages (grpokit.algo.advantages), by group id;
+  6. the worker's training step (grpokit.train.worker): mu passes of clipped surrogate + beta * KL;
+  7. push the new weights to an engine that holds its own, step the KL controller, log.
+
+`Step` takes built objects and reads no config (`StepSettings` is what it needs of the config,
+filled in by the builder). It calls, never owns: the worker owns the weights, the collector the
+rollout, `RunDir` the files, `Guard` the count of bad steps, the `Comm` the other ranks.
+Departure from the paper: the KL coefficient may change between steps (a controller).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from grpokit.algo import advantages as adv_lib
+from grpokit.algo import kl as kl_lib
+from grpokit.algo import loss as loss_lib
+from grpokit.rollout.base import NonFiniteLogits
+from grpokit.train.batch import Batch
+from grpokit.train.collect import owns_weights
+from grpokit.train.rundir import rollback, rss_mb
+from grpokit.train.transforms import StepContext, passed
+
+log = logging.getLogger("grpokit.train")
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What one step needs of the config (grpokit.train.builder fills it in)."""
+
+    advantage: str = "grpo"
+    adv_eps: float = 1e-6
+    length_buckets: tuple | None = None
+    bucket_mode: str | None = None
+    kl_in_reward: bool = False
+    kl_unit: str = "token"               # the unit the KL controller is fed: "token" or "sequence"
+    resampling: bool = False             # over-confidence resampling: pi_old is the sampler's q
+    is_cap: float = 2.0
+    is_correction: bool = True
+    old_logp_needed: bool = False        # mu > 1 or several mini-batches
+    pass_reward: str = ""
+    pass_threshold: float = 1.0
+
+
+def sync_weights(engine, worker, version: int) -> None:
+    """Push the trained weights to an engine that holds its own copy (no-op otherwise). Their
+    version is the number of optimizer steps they have trained."""
+    if owns_weights(engine):
+        engine.update_weights(worker.export_weights(), version=version)
+
+
+BATCH_KEYS = ("reward/mean", "reward/std", "reward/pass_rate", "completion/length_mean", "completion/length_max",
+              "completion/clipped_ratio", "advantage/mean", "advantage/std", "group/frac_zero_std",
+              "reward/nonfinite", "rollout/resampled")
+
+
+class Step:
+    """Batch -> transforms -> log-probs -> advantages -> `train_step` -> sync -> guard -> controller
+    -> metrics, for step `step_idx` (0-based)."""
+
+    def __init__(self, *, settings: StepSettings, collector, worker, transforms, kl_ctl, guard, comm, run,
+                 ref_probe=None, seed: int = 0):
+        self.s, self.collector, self.worker, self.transforms = settings, collector, worker, transforms
+        self.kl_ctl, self.guard, self.comm, self.run, self.ref_probe = kl_ctl, guard, comm, run, ref_probe
+        self.seed = seed
+        self.last_batch: Batch | None = None          # the last step's batch (sample dumps)
+
+    engine = property(lambda self: self.collector.engine)
+    reference = property(lambda self: self.worker.reference)
+
+    def __call__(self, step_idx: int) -> dict:
+        s, comm = self.s, self.comm
+        t_step = time.perf_counter()
+        comm.seed_step(self.collector.gen, self.seed, step_idx)     # a job's ranks: streams per step
+        try:
+            batch, m = self.collector.collect(step_idx)               # 1-2: generate, score
+            failed = None
+        except NonFiniteLogits as exc:                                  # nothing to score or update
+            failed = str(exc)
+        if comm.any(failed is not None):                                # the ranks skip together
+            return self._bad_rollout(failed or "another rank's rollout met non-finite logits", step_idx, t_step)
+        ctx = StepContext(step_idx)
+        for transform in self.transforms:                               # 3
+            batch = transform(batch, ctx)
+        beta = self.kl_ctl.beta
+        t = time.perf_counter()
+        if self.reference is not None and beta > 0:                     # 4
+            batch.ref_logp = self.worker.logprobs(batch, "reference")
+        kl_in_reward = None
+        if s.kl_in_reward and batch.ref_logp is not None:               # r <- r - beta * sum_t k1
+            batch.old_logp = self.worker.logprobs(batch, "policy")
+            kl_seq = kl_lib.kl_in_reward(batch.old_logp, batch.ref_logp, batch.mask).to(torch.float64)
+            batch.rewards = batch.rewards - beta * kl_seq
+            kl_in_reward = {"kl/ref": float(kl_seq.sum()) / max(1, int(batch.mask.sum())),   # token mean of k1
+                            "kl/ref_seq": float(kl_seq.mean())}
+        m.update(self.old_logprobs(batch))
+        m["time/logprobs"] = time.perf_counter() - t
+        adv, adv_stats = adv_lib.compute(                               # 5
+            s.advantage, batch.rewards, group_ids=batch.group_id, eps=s.adv_eps,
+            lengths=batch.lengths.to(torch.float64), return_stats=True,
+            **({"buckets": s.length_buckets, "bucket_mode": s.bucket_mode} if s.length_buckets is not None else {}))
+        batch.advantages = adv.float()
+        batch.frac_zero_std = float(adv_stats.get("frac_zero_std", float("nan")))
+        t = time.perf_counter()
+        upd = self.worker.train_step(batch, beta, step=step_idx)      # 6
+        m["time/update"] = time.perf_counter() - t
+        drift = self.ref_probe.check(self.worker, batch, step_idx) if self.ref_probe is not None else None
+        self._after_update(upd.pop("guard/causes"), int(upd.pop("guard/updates_skipped")), step_idx)
+        sync_weights(self.engine, self.worker, step_idx + 1)           # 7 (after a rollback, too)
+        if kl_in_reward is not None:                 # no KL term in the loss: kl/ref is the reward's k1
+            upd.update(kl_in_reward)
+        observed = upd.get("kl/ref_seq" if s.kl_unit == "sequence" else "kl/ref", 0.0)
+        self.kl_ctl.step(observed if math.isfinite(observed) else 0.0)
+        m["time/step"] = time.perf_counter() - t_step
+        self.last_batch = batch
+        out = {**self.batch_metrics(batch, adv, adv_stats), "kl/beta": beta, **ctx.metrics, **m, **upd,
+               **self.guard.metrics(), **(self.reference.metrics() if self.reference is not None else {}),
+               **({"ref/integrity_drift": drift} if drift is not None else {}),
+               "throughput/tokens_per_s": float(batch.lengths.sum()) / max(m["time/step"], 1e-9),
+               "memory/rss_mb": rss_mb()}
+        # the worker's metrics are already the job's; the rest are reduced over ranks
+        return comm.reduce_metrics(out, agreed=set(upd) | set(BATCH_KEYS))
+
+    def old_logprobs(self, batch: Batch) -> dict[str, float]:
+        """pi_old for the ratio. Over-confidence resampling: the distribution actually sampled from
+        (q), so the ratio pi_theta / q corrects for the intervention (docs/variants.md). An engine
+        with its own weights: the trainer's log-probs, with truncated importance weights for the
+        sampler/trainer mismatch (docs/algorithms.md). mu > 1 or several mini-batches: the policy
+        before the update. Otherwise None: the current log-probs, detached, are pi_old exactly."""
+        s = self.s
+        if s.resampling:
+            batch.old_logp = batch.sampler_logp.clone()
+            return {}
+        if owns_weights(self.engine):
+            if batch.old_logp is None:
+                batch.old_logp = self.worker.logprobs(batch, "policy")
+            w, st = loss_lib.truncated_is_weights(batch.old_logp.float(), batch.sampler_logp.float(),
+                                                 batch.mask, cap=s.is_cap)
+            if s.is_correction:
+                batch.is_weights = w
+            return {f"rollout/{k}": v for k, v in st.items()}
+        if s.old_logp_needed and batch.old_logp is None:
+            batch.old_logp = self.worker.logprobs(batch, "policy")
+        return {}
+
+    def batch_metrics(self, batch: Batch, adv: torch.Tensor, adv_stats: dict) -> dict[str, float]:
+        """Statistics of the step's batch; in a data-parallel job of the whole batch over ranks (the
+        ranks' rewards, lengths and advantages gathered: a few numbers per completion)."""
+        ok = passed(batch, self.s.pass_reward, self.s.pass_threshold)
+        n_groups = len(torch.unique(batch.group_id))
+        part = {"lengths": batch.lengths.float().tolist(), "rewards": batch.rewards.tolist(), "ok": [bool(x) for x in ok],
+                "length_stop": [f == "length" for f in batch.finish_reason], "adv": adv.tolist(),
+                "zero_groups": float(adv_stats.get("frac_zero_std", float("nan"))) * n_groups, "groups": n_groups,
+                "nonfinite": float(adv_stats.get("num_nonfinite", 0)), "resampled": float(batch.resampled)}
+        parts = self.comm.gather(part)
+        cat = {k: sum((p[k] for p in parts), []) for k in ("lengths", "rewards", "ok", "length_stop", "adv")}
+        lengths = torch.tensor(cat["lengths"])
+        rewards = torch.tensor(cat["rewards"], dtype=batch.rewards.dtype)
+        advs = torch.tensor(cat["adv"], dtype=adv.dtype)
+        finite = rewards[torch.isfinite(rewards)]
+        groups = sum(p["groups"] for p in parts)
+        return {
+            "reward/mean": float(finite.mean()) if len(finite) else float("nan"),
+            "reward/std": float(finite.std()) if len(finite) > 1 else 0.0,
+            "reward/pass_rate": sum(cat["ok"]) / len(cat["ok"]),
+            "completion/length_mean": float(lengths.mean()), "completion/length_max": float(lengths.max()),
+            "completion/clipped_ratio": sum(cat["length_stop"]) / len(cat["length_stop"]),
+            "advantage/mean": float(advs.mean()), "advantage/std": float(advs.std()),
+            "group/frac_zero_std": sum(p["zero_groups"] for p in parts) / max(groups, 1),
+            "reward/nonfinite": sum(p["nonfinite"] for p in parts),
+            "rollout/resampled": sum(p["resampled"] for p in parts),
+        }
+
+    # ------------------------------------------------------------------ guard
+    def _after_update(self, causes: list[str], skipped: int, step_idx: int) -> None:
+        """Count what the guard kept from the weights; roll back after `guard.max_consecutive_bad`
+        bad steps in a row."""
+        n = self.worker.updates_per_step()
+        due = self.guard.after_step(skipped, n)
+        if not skipped:
+            return
+        cause = causes[0]
+        what = "update skipped" if skipped >= n else f"{skipped} of {n} mini-batch updates skipped"
+        log.warning("step %d: %s by the non-finite guard: %s", step_idx + 1, what, cause)
+        self.run.event({"event": "skip", "step": step_idx + 1, "cause": cause, "updates_skipped": skipped, "updates": n})
+        if due:
+            rollback(self.run, self.worker, self.kl_ctl, self.guard, cause, step_idx + 1)
+
+    def _bad_rollout(self, cause: str, step_idx: int, t_step: float) -> dict:
+        """The step whose rollout met NaN/inf logits: a bad step with no update at all. The
+        learning-rate schedule still advances by the step's updates (it counts training steps)."""
+        self.worker.skip_step()
+        self._after_update([cause], self.worker.updates_per_step(), step_idx)
+        sync_weights(self.engine, self.worker, step_idx + 1)           # the weights may have been rolled back
+        self.last_batch = None
+        return {"kl/beta": self.kl_ctl.beta, "optim/lr": self.worker.scheduler.get_last_lr()[0],
+                **self.guard.metrics(), "time/step": time.perf_counter() - t_step, "memory/rss_mb": rss_mb()}
