@@ -31,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     import torch
     from grpokit.config import config_from_dict
-    from grpokit.train import build_trainer
+    from grpokit.train import build_run
 
     n = args.prompts * args.group
     cfg = config_from_dict({
@@ -47,7 +47,7 @@ def main() -> None:
         "monitor": {"sinks": ["jsonl"]},
     })
     torch.manual_seed(0)
-    trainer = build_trainer(cfg, health=True)
+    trainer = build_run(cfg, health=True)
     rows = []
     for i in range(1, args.steps + 1):
         trainer.step()

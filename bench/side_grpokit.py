@@ -27,7 +27,7 @@ def build(args):
     torch.set_num_threads(common.cores())
     from grpokit.config import config_from_dict
     from grpokit.rewards import register
-    from grpokit.train import build_trainer
+    from grpokit.train import build_run
 
     register("bench_partial_credit")(common.partial_credit)
     n = common.PROMPTS_PER_STEP * common.GROUP_SIZE
@@ -47,7 +47,7 @@ def build(args):
         # the reference-integrity probe is extra work TRL does not do: off for a like-for-like step
         "guard": {"ref_check_every": 0},
     })
-    return build_trainer(cfg, health=False)
+    return build_run(cfg, health=False)
 
 
 def decode_check(model, rows: int, context: int, temperature: float, steps: int = 4, rounds: int = 5) -> dict:

@@ -75,7 +75,7 @@ def run(seed: int, steps: int | None, max_minutes: float | None, run_dir: str, o
     from grpokit.config import load_config
     from grpokit.data.datasets import PromptDataset
     from grpokit.tasks.chat_arith import ChatArithTask
-    from grpokit.train import build_trainer
+    from grpokit.train import build_run
     from grpokit.models.gguf import resolve_model_dir
 
     started = time.perf_counter()
@@ -93,7 +93,7 @@ def run(seed: int, steps: int | None, max_minutes: float | None, run_dir: str, o
             f"train.run_dir={out / 'grpo'}"] + ([f"data.eval_path={paths['valid']}"] if wants_valid else [])
     over += [f"train.steps={steps}"] * (steps is not None) + [f"train.max_minutes={max_minutes}"] * (max_minutes is not None)
     cfg = load_config([str(PRESET)], over + overrides)
-    trainer = build_trainer(cfg)
+    trainer = build_run(cfg)
     splits = {name: PromptDataset([json.loads(x) for x in paths[name].read_text().splitlines()])
               for name in ("heldout", "harder")}
 

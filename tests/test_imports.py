@@ -102,3 +102,12 @@ def test_the_layers():
     bad = sorted((m, d) for low, high in rules for m, deps in graph.items() if _under(m, low)
                  for d in deps if _under(d, high))
     assert not bad, f"imports against the layers: {bad}"
+
+
+def test_algo_and_rewards_read_no_config():
+    """The pure math and the rewards take plain values: nothing under grpokit.algo or grpokit.rewards
+    imports grpokit.config (the builder turns config into their arguments)."""
+    graph = import_graph(ROOT)
+    bad = sorted((m, d) for m, deps in graph.items() if _under(m, "grpokit.algo") or _under(m, "grpokit.rewards")
+                 for d in deps if _under(d, "grpokit.config"))
+    assert not bad, bad
