@@ -93,7 +93,7 @@ def run(seed: int, steps: int | None, max_minutes: float | None, run_dir: str, o
             f"train.run_dir={out / 'grpo'}"] + ([f"data.eval_path={paths['valid']}"] if wants_valid else [])
     over += [f"train.steps={steps}"] * (steps is not None) + [f"train.max_minutes={max_minutes}"] * (max_minutes is not None)
     cfg = load_config([str(PRESET)], over + overrides)
-    trainer = build_run(cfg)
+    trainer = build_run(cfg, report=False)     # written by main once the run's time is taken
     splits = {name: PromptDataset([json.loads(x) for x in paths[name].read_text().splitlines()])
               for name in ("heldout", "harder")}
 
@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from transformers.utils import logging as hf_logging
 
-    from grpokit.cli import _user_errors, _write_report
+    from grpokit.cli import _user_errors
+    from grpokit.monitor.report import write_report_at_end
 
     hf_logging.disable_progress_bar()
     try:
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         if (Path(args.run_dir) / "grpo" / "metrics.jsonl").is_file():
-            _write_report(Path(args.run_dir) / "grpo")
+            write_report_at_end(Path(args.run_dir) / "grpo")
     for name, r in s["pass@1"].items():
         print(f"{name}: greedy pass@1 {r['before']:.3f} -> {r['after']:.3f} ({100 * r['delta']:+.1f} points)")
     if s["final_policy"]["step"] != s["steps"]:

@@ -42,7 +42,7 @@ def run_one(preset: str, seed: int, s: DemoSettings, root: Path, steps: int, eva
                                          f"train.eval_every={eval_every}", "train.save_every=0"])
     tok = load_tokenizer(warm_dir)
     trainer = build_run(cfg, model=load_model(warm_dir, dtype="float32", device="cpu"), tokenizer=tok,
-                        eval_dataset=PromptDataset(held))
+                        eval_dataset=PromptDataset(held), report=False)     # the comparison has its own
     model = trainer.model
     t0 = time.perf_counter()
     trainer.train()

@@ -94,6 +94,7 @@ def warm_start(s: DemoSettings, task: ArithmeticTask, run_dir: Path, say) -> Pat
 
 def run_demo(*, quick: bool = False, control: bool = False, seed: int = 0, run_dir: str | Path = "runs/demo",
              overrides: list[str] | None = None, say=print, progress: bool = True) -> dict:
+    from grpokit.monitor.report import write_report_at_end
     from grpokit.train import build_run
 
     t_start = time.perf_counter()
@@ -115,16 +116,20 @@ def run_demo(*, quick: bool = False, control: bool = False, seed: int = 0, run_d
                                  f"train.progress={str(progress).lower()}"] + (overrides or []))
     tok = load_tokenizer(warm_dir)
     # LoRA / QLoRA when the overrides say lora.enabled=true (the 4-bit base is loaded by the builder)
+    # the report is written after GRPO's time is taken (that time is the control's budget)
     trainer = build_run(cfg, model=None if cfg.lora.load_in_4bit else load_model(warm_dir, dtype="float32", device="cpu"),
-                        tokenizer=tok, eval_dataset=PromptDataset(held))
+                        tokenizer=tok, eval_dataset=PromptDataset(held), report=False)
     model = trainer.model
     T = cfg.rollout.temperature
     before = {"greedy": accuracy(model, tok, held), "sampled": accuracy(model, tok, held, temperature=T, n=4, seed=seed)}
     say(f"before GRPO: held-out greedy {before['greedy']:.1f}%, sampled (T={T}) {before['sampled']:.1f}%")
 
     t0 = time.perf_counter()
-    trainer.train()
-    grpo_seconds = time.perf_counter() - t0
+    try:
+        trainer.train()
+        grpo_seconds = time.perf_counter() - t0
+    finally:                     # a run that stopped with an error gets its report too
+        write_report_at_end(cfg.train.run_dir, say=say)
     after = {"greedy": accuracy(model, tok, held), "sampled": accuracy(model, tok, held, temperature=T, n=4, seed=seed)}
 
     summary = {

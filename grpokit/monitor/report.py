@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import datetime as _dt
 import html
+import logging
 import math
 import os
 import sys
@@ -362,6 +363,18 @@ def write_report(run_dir: str | os.PathLike[str]) -> Path:
     tmp.write_text(page, encoding="utf-8")
     tmp.replace(out)  # atomic: a reader never sees half a report
     return out
+
+
+def write_report_at_end(run_dir: str | os.PathLike[str], say=print) -> Path | None:
+    """``write_report`` for the end of a run: says ``report: PATH``; a failure is logged, never
+    raised, so it neither loses a finished run nor hides the error that stopped one."""
+    try:
+        path = write_report(run_dir)
+    except Exception as exc:  # noqa: BLE001
+        logging.getLogger("grpokit").warning("could not write the report: %s", exc)
+        return None
+    say(f"report: {path}")
+    return path
 
 
 if __name__ == "__main__":

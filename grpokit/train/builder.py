@@ -97,36 +97,39 @@ def sampling_params(cfg):
                           ignore_eos=r.ignore_eos)
 
 
-def _policy(cfg, model, tokenizer, datasets, comm):
-    """(policy, reference, tokenizer, encoder), the tokenizer and the prompts checked against it."""
-    from grpokit.train.build import build_policy
+def _policy(cfg, model, tokenizer):
+    """(policy, reference, tokenizer): the tokenizer of `model.path` unless given, the policy (LoRA /
+    QLoRA when lora.enabled) and its reference (grpokit.train.reference), or None."""
     from grpokit.models import load_tokenizer
-    from grpokit.models.hf import check_round_trip
-    from grpokit.train.prompts import PromptEncoder, check_prompts, max_positions
+    from grpokit.train.build import build_policy
 
     m = cfg.model
     if tokenizer is None:
         tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code, gguf_file=m.gguf_file)
-    # the policy (LoRA / QLoRA when lora.enabled) and its reference (grpokit.train.reference), or None
     model, reference = build_policy(cfg, model)
-    train = datasets[0]
-    check_round_trip(tokenizer, [r["prompt"] for r in train.rows[:8] if isinstance(r["prompt"], str)])
+    return model, reference, tokenizer
+
+
+def _encoder(cfg, model, tokenizer, datasets):
+    """The prompt encoder, the tokenizer's round trip and every prompt's length checked against
+    the model's context (one line each, before any step)."""
+    from grpokit.models.hf import check_round_trip
+    from grpokit.train.prompts import PromptEncoder, check_prompts, max_positions
+
+    check_round_trip(tokenizer, [r["prompt"] for r in datasets[0].rows[:8] if isinstance(r["prompt"], str)])
     encoder = PromptEncoder(tokenizer, cfg.data.chat_template)
     for ds, what in zip(datasets, ("data.path", "data.eval_path")):
         if ds is not None:
             check_prompts(encoder, ds.rows, ds.source or what, max_new_tokens=cfg.rollout.max_new_tokens,
                           positions=max_positions(model))
-    return model, reference, tokenizer, encoder
+    return encoder
 
 
 def _report_at_exit(trainer) -> None:
-    """RUN_DIR/report.html. A failure is logged, never raised: it must neither lose a finished run
-    nor hide the error that stopped one."""
-    try:
-        from grpokit.monitor.report import write_report
-        print(f"report: {write_report(trainer.run_dir)}")
-    except Exception as exc:  # noqa: BLE001
-        log.warning("could not write the report: %s", exc)
+    """RUN_DIR/report.html when the run ends, however it ends."""
+    from grpokit.monitor.report import write_report_at_end
+
+    write_report_at_end(trainer.run_dir)
 
 
 def _fresh_start_notes(cfg, rewards, dataset, encoder):
@@ -159,9 +162,10 @@ def build_run(cfg, *, model=None, tokenizer=None, dataset=None, eval_dataset=Non
     dataset, eval_ds = load_datasets(cfg, dataset, eval_dataset)
     if cfg.train.keep_best and eval_ds is None:
         raise ConfigError("train.keep_best needs a validation split (data.eval_path) and one process")
-    comm = open_comm(cfg)     # a single process: rank 0 of 1 (docs/distributed.md)
+    # a single process: rank 0 of 1 (docs/distributed.md); a built data-parallel worker has its own
+    comm = getattr(worker, "ctx", None) or open_comm(cfg)
     try:
-        if cfg.train.keep_best and comm.world > 1:
+        if cfg.train.keep_best and comm.mode != "none":     # best/ is a plain model directory
             raise ConfigError("train.keep_best runs in one process only")
         return _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, health, report)
     except BaseException:
@@ -177,7 +181,6 @@ def _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, hea
     from grpokit.train.distributed import GatheredEngine
     from grpokit.train.guard import Guard
     from grpokit.config.kl_control import build_kl_controller
-    from grpokit.train.prompts import PromptEncoder
     from grpokit.train.reference import ReferenceProbe
     from grpokit.train.run import Trainer
     from grpokit.train.rundir import RunDir
@@ -186,16 +189,15 @@ def _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, hea
     from grpokit.train.worker import LocalWorker
 
     if worker is None:
-        model, reference, tokenizer, encoder = _policy(cfg, model, tokenizer, (dataset, eval_ds), comm)
+        model, reference, tokenizer = _policy(cfg, model, tokenizer)
         if comm.mode != "none":
             from grpokit.train.dist_worker import DataParallelWorker
             worker = DataParallelWorker(cfg, model, tokenizer, reference, comm)   # DDP / FSDP2 over this rank's copy
         else:
             worker = LocalWorker(cfg, model, tokenizer, reference)
-    else:
-        if tokenizer is None:
-            raise ConfigError("build_run: a worker comes with its tokenizer (tokenizer=)")
-        encoder = PromptEncoder(tokenizer, cfg.data.chat_template)
+    elif tokenizer is None:
+        raise ConfigError("build_run: a worker comes with its tokenizer (tokenizer=)")
+    encoder = _encoder(cfg, worker.model, tokenizer, (dataset, eval_ds))
     r, cur = cfg.rollout, cfg.data.curriculum
     if engine is None:
         engine = build_engine(r.engine, worker.model, tokenizer, rollout=r)

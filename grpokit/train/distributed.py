@@ -188,13 +188,19 @@ def exit_process(code: int) -> None:
     import sys
 
     code = code if isinstance(code, int) else (0 if code is None else 1)
-    if not _joined:
+    import torch.distributed as dist
+
+    if not (_joined or (dist.is_available() and dist.is_initialized())):
         sys.exit(code)
     import atexit
     import logging as _logging
+    import traceback
 
     try:
         shutdown()
+    except Exception:                         # a failed teardown is a failed run, said so
+        traceback.print_exc()
+        code = code or 1
     finally:
         atexit._run_exitfuncs()
         _logging.shutdown()

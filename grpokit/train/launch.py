@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections import deque
 from pathlib import Path
 
 
@@ -68,23 +67,38 @@ def failure_line(banner: str, errors: Path | None, nproc: int, code: int) -> str
 
 
 def launch(nproc: int, argv: list[str]) -> int:
-    """Run `grpokit <argv>` on `nproc` ranks; its output streams through, and a failure ends with
-    `failure_line`. Returns torchrun's exit status."""
+    """Run `grpokit <argv>` on `nproc` ranks; its output streams through as it comes (progress
+    bars' carriage returns included), and a failure ends with `failure_line`. Ctrl-C reaches
+    torchrun too, which stops its ranks; their last output is still passed on. Returns torchrun's
+    exit status."""
     errors = Path(tempfile.mkdtemp(prefix="grpokit-ranks-"))
-    tail: deque[str] = deque(maxlen=200)
+    tail = bytearray()
+    interrupted = False
     try:
         proc = subprocess.Popen(torchrun_command(nproc, argv), env={**os.environ, ERRORS_ENV: str(errors)},
-                                stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1)
-        try:
-            for line in proc.stderr:
-                sys.stderr.write(line)
-                tail.append(line)
-            code = proc.wait()
-        except KeyboardInterrupt:            # torchrun got it too: let it stop its ranks
-            code = proc.wait()
+                                stderr=subprocess.PIPE)
+        out = getattr(sys.stderr, "buffer", None)
+        while True:
+            try:
+                chunk = os.read(proc.stderr.fileno(), 65536)
+            except KeyboardInterrupt:         # torchrun got it too: read on until its ranks stop
+                interrupted = True
+                continue
+            if not chunk:
+                break
+            if out is not None:
+                out.write(chunk)
+                out.flush()
+            else:
+                sys.stderr.write(chunk.decode(errors="replace"))
+            tail += chunk
+            del tail[:-65536]                 # torchrun's failure report is at the end
+        proc.stderr.close()
+        code = proc.wait()
         if code != 0:
             sys.stderr.flush()
-            print(failure_line("".join(tail), errors, nproc, code), file=sys.stderr)
+            line = "interrupted" if interrupted else failure_line(tail.decode(errors="replace"), errors, nproc, code)
+            print(line, file=sys.stderr)
         return code
     finally:
         shutil.rmtree(errors, ignore_errors=True)

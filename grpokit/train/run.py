@@ -199,7 +199,7 @@ class Trainer:
                 raise ConfigError(problem)
             log.warning("resume: %s holds no complete checkpoint; starting over from step 0", self.run.path)
         try:
-            if progress is None and self.cfg.train.progress and self.comm.is_main:
+            if progress is None and self.cfg.train.progress and self.comm.is_main:   # the bar: rank 0
                 from grpokit.cli_progress import StepProgress
                 with StepProgress(self.cfg.train.steps, self.step_idx) as bar:
                     return self._train(resume, bar.update)
@@ -228,7 +228,7 @@ class Trainer:
                 self.write_samples()
             if self.save_due():
                 self.save()
-            if progress is not None and comm.is_main:
+            if progress is not None:
                 progress(self.step_idx, metrics)
             last = metrics
             stop = comm.any(self.health is not None and self.health.should_stop)   # rank 0 monitors
