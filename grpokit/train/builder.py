@@ -162,18 +162,22 @@ def build_run(cfg, *, model=None, tokenizer=None, dataset=None, eval_dataset=Non
     dataset, eval_ds = load_datasets(cfg, dataset, eval_dataset)
     if cfg.train.keep_best and eval_ds is None:
         raise ConfigError("train.keep_best needs a validation split (data.eval_path) and one process")
-    # a single process: rank 0 of 1 (docs/distributed.md); a built data-parallel worker has its own
-    comm = getattr(worker, "ctx", None) or open_comm(cfg)
+    # a single process: rank 0 of 1 (docs/distributed.md); a built data-parallel worker has its own,
+    # which its caller owns (and closes)
+    given = getattr(worker, "ctx", None)
+    comm = given or open_comm(cfg)
     try:
         if cfg.train.keep_best and comm.mode != "none":     # best/ is a plain model directory
             raise ConfigError("train.keep_best runs in one process only")
-        return _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, health, report)
+        return _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, health, report,
+                         close=given is None)
     except BaseException:
-        comm.close()
+        if given is None:
+            comm.close()
         raise
 
 
-def _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, health, report):
+def _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, health, report, close=True):
     from grpokit.data.curriculum import Curriculum
     from grpokit.data.datasets import PromptSampler
     from grpokit.rollout.registry import build_engine
@@ -226,7 +230,7 @@ def _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, hea
                 kl_ctl=build_kl_controller(cfg), guard=Guard(cfg.guard.max_consecutive_bad), comm=comm, run=run,
                 ref_probe=probe, seed=cfg.train.seed)
     monitor = build_health(cfg) if health and comm.is_main else None
-    on_exit = ([_report_at_exit] if report and comm.is_main else []) + [lambda _: comm.close()]
+    on_exit = ([_report_at_exit] if report and comm.is_main else []) + ([lambda _: comm.close()] if close else [])
     return Trainer(cfg, step=step, worker=worker, run=run, comm=comm, tokenizer=tokenizer, dataset=dataset,
                    rewards=rewards, encoder=encoder, eval_dataset=eval_ds, health=monitor, on_exit=on_exit,
                    fresh_notes=_fresh_start_notes(cfg, rewards, dataset, encoder))
