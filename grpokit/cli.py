@@ -202,9 +202,14 @@ def cmd_export(args) -> int:
 
 
 def cmd_rollout_server(args) -> int:
-    from grpokit.rollout.server import serve
+    from grpokit.rollout.server import ServerLimits, serve
 
-    serve(args.model, backend=args.backend, host=args.host, port=args.port, device=args.device, dtype=args.dtype)
+    limits = ServerLimits(max_body_bytes=int(args.max_body_mb * 2**20), max_completions=args.max_completions,
+                          max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+                          max_batch_tokens=args.max_batch_tokens, max_in_flight=args.max_in_flight,
+                          max_connections=args.max_connections, io_timeout_s=args.io_timeout)
+    serve(args.model, backend=args.backend, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
+          api_key=args.api_key, insecure=args.insecure, limits=limits)
     return 0
 
 
@@ -306,10 +311,33 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--model", required=True, help="local Hugging Face model directory (the policy's starting weights)")
     rs.add_argument("--backend", choices=["hf", "vllm"], default="hf",
                     help="the engine: transformers (hf) or the in-process vLLM engine (vllm)")
-    rs.add_argument("--host", default="127.0.0.1", help="address to listen on (also for the weight group)")
+    rs.add_argument("--host", default="127.0.0.1",
+                    help="address to listen on (also for the weight group); other than loopback it needs an API key")
     rs.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free one, printed)")
     rs.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda[:N]")
     rs.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    sec = rs.add_argument_group("access (docs/rollout.md, Running across machines)")
+    sec.add_argument("--api-key", default=None,
+                     help="key every request must carry (Authorization: Bearer KEY); better: the GRPOKIT_API_KEY "
+                          "environment variable, which stays out of process listings")
+    sec.add_argument("--insecure", action="store_true",
+                     help="serve a non-loopback --host without an API key (anyone who reaches the port can use it)")
+    from grpokit.rollout.serving import ServerLimits   # the standard library only: cheap at parse time
+    d = ServerLimits()
+    lim = rs.add_argument_group("limits")
+    lim.add_argument("--max-body-mb", type=float, default=d.max_body_bytes / 2**20, help="largest request body (default %(default)g)")
+    lim.add_argument("--max-completions", type=int, default=d.max_completions, help="prompts x n per request (default %(default)s)")
+    lim.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="longest prompt (default %(default)s)")
+    lim.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="largest max_new_tokens (default %(default)s)")
+    lim.add_argument("--max-batch-tokens", type=int, default=None,
+                     help="completions x (longest prompt + max_new_tokens) per request (default: what half the "
+                          "free memory holds in KV cache, hf backend)")
+    lim.add_argument("--max-in-flight", type=int, default=d.max_in_flight,
+                     help="requests served at once; more get 503 (default %(default)s)")
+    lim.add_argument("--max-connections", type=int, default=d.max_connections,
+                     help="open connections; more get 503 (default %(default)s)")
+    lim.add_argument("--io-timeout", type=float, default=d.io_timeout_s,
+                     help="seconds to receive a whole request or send an answer (default %(default)g)")
     rs.set_defaults(fn=cmd_rollout_server)
 
     r = sub.add_parser("report", help="write RUN_DIR/report.html")

@@ -52,6 +52,10 @@ class RolloutConfig(_Section):
     server_timeout_s: float = Field(600.0, gt=0)
     """Longest wait for one rollout-server request (a generation, a weight update) and for its
     weight group to form."""
+    server_api_key_env: str = Field("GRPOKIT_API_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Name of the environment variable holding the rollout server's API key (sent as `Authorization:
+    Bearer KEY`; unset or empty: none sent). The key itself is never a config value: config files
+    are copied into run directories and checkpoints."""
     server_retries: int = Field(3, ge=1)
     """Tries of a rollout-server request that gets no answer before the run stops with an error (its
     last checkpoint intact; `--resume` with a restarted server continues)."""

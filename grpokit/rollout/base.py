@@ -75,6 +75,27 @@ class RolloutEngine(Protocol):
     def resume_memory(self) -> None: ...
 
 
+def check_weights(given: Iterable[tuple[str, tuple[int, ...]]], shapes: dict[str, tuple[int, ...]],
+                  required: set[str]) -> None:
+    """Refuse a weight update before anything is loaded: every (name, shape) in `given` must be one
+    of the engine's `shapes`, and every name in `required` must be given. KeyError for an unknown
+    name, ValueError for a wrong shape or a missing parameter."""
+    given = list(given)
+    for name, shape in given:
+        if name not in shapes:
+            raise KeyError(f"update_weights: the engine's model has no tensor {name!r}")
+        if tuple(shape) != tuple(shapes[name]):
+            raise ValueError(f"update_weights: {name} has shape {tuple(shape)}, the engine's {tuple(shapes[name])}")
+    missing = required - {name for name, _ in given}
+    if missing:
+        raise ValueError(f"update_weights: {len(missing)} parameters not sent, e.g. {sorted(missing)[:3]}")
+
+
+class GenerationCancelled(RuntimeError):
+    """A generation stopped early because its `stop` event was set (a rollout server's client went
+    away): nothing is returned."""
+
+
 class NonFiniteLogits(ValueError):
     """The model's next-token logits held NaN or +inf (or a row had every token at -inf), so no
     token can be drawn. The trainer's non-finite guard treats the step as bad (skipped, counted,

@@ -7,11 +7,13 @@ server acknowledges the version it loaded. Every completion comes back with the 
 weights that generated it, so the driver can check how stale a batch is. `submit` starts a
 generation in the background (what `rollout.async` overlaps with the update); `generate` waits for it.
 
-Faults: a server that does not answer at start is a one-line ConfigError; a request that gets no
+Faults: a server that does not answer at start is a one-line ConfigError, and so is one that
+refuses the API key (`Authorization: Bearer KEY`, grpokit.rollout.serving); a request that gets no
 answer is retried `retries` times with back-off, then RolloutServerError stops the run (its last
-checkpoint stays as it was; `--resume` with a restarted server pushes the weights again). A server
-that was restarted behind the trainer's back (another instance id) and any malformed response are
-errors too, never a silent wrong result.
+checkpoint stays as it was; `--resume` with a restarted server pushes the weights again). A busy
+server (503) is asked again with back-off for up to `timeout_s`. A server that was restarted behind
+the trainer's back (another instance id) and any malformed response are errors too, never a silent
+wrong result.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from grpokit.rollout.weight_sync import TRAINER, WeightGroup, connect_store
 
 log = logging.getLogger("grpokit.rollout")
 
-__all__ = ["RolloutServerError", "ServerEngine", "parse_address"]
+__all__ = ["KeyRefused", "RolloutServerError", "ServerEngine", "parse_address"]
 
 
 class RolloutServerError(RuntimeError):
@@ -47,33 +49,44 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 class _Http:
-    """JSON over HTTP with bounded retries of requests that got no answer."""
+    """JSON over HTTP with bounded retries of requests that got no answer or found the server busy."""
 
-    def __init__(self, address: str, timeout_s: float, retries: int):
+    def __init__(self, address: str, timeout_s: float, retries: int, api_key: str | None = None):
         self.address = address
         self.host, self.port = parse_address(address)
         self.timeout_s, self.retries = timeout_s, retries
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
 
     def call(self, method: str, path: str, body=None, *, tries: int | None = None) -> dict:
         tries = tries or self.retries
-        last = None
-        for attempt in range(tries):
-            if attempt:
-                time.sleep(min(0.5 * 2 ** (attempt - 1), 5.0))
+        last, attempt, busy_since = None, 0, None
+        while True:
             try:
                 return self._once(method, path, body)
+            except _Busy as exc:                                    # answered 503: not a failed try
+                busy_since = busy_since or time.monotonic()
+                if time.monotonic() - busy_since > self.timeout_s:
+                    raise RolloutServerError(f"rollout server {self.address}: {method} {path}: still busy after "
+                                             f"{self.timeout_s:g} s ({exc})") from None
+                time.sleep(0.05 + 0.45 * min(1.0, (time.monotonic() - busy_since) / 10))
+                continue
             except (OSError, http.client.HTTPException) as exc:     # refused, reset, timed out
                 last = exc
+                attempt += 1
                 log.warning("rollout server %s: %s %s got no answer (try %d of %d): %s",
-                            self.address, method, path, attempt + 1, tries, exc)
-        raise RolloutServerError(f"rollout server {self.address} did not answer {method} {path} after "
-                                 f"{tries} tries ({type(last).__name__}: {last})")
+                            self.address, method, path, attempt, tries, exc)
+            if attempt >= tries:
+                raise RolloutServerError(f"rollout server {self.address} did not answer {method} {path} after "
+                                         f"{tries} tries ({type(last).__name__}: {last})")
+            time.sleep(min(0.5 * 2 ** (attempt - 1), 5.0))
 
     def _once(self, method: str, path: str, body) -> dict:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
         try:
             data = json.dumps(body).encode() if body is not None else None
-            conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+            conn.request(method, path, body=data, headers=self.headers)
             resp = conn.getresponse()
             raw = resp.read()
         finally:
@@ -87,10 +100,24 @@ class _Http:
             raise RolloutServerError(f"rollout server {self.address}: {method} {path}: the answer is not a JSON object")
         if resp.status != 200:
             msg = out.get("error", f"HTTP {resp.status}")
+            if resp.status == 503:
+                raise _Busy(msg)
+            if resp.status == 401:
+                raise KeyRefused(f"rollout server {self.address} refused the trainer: {msg}; give the trainer the "
+                                 "server's key in the environment variable named by rollout.server_api_key_env "
+                                 "(GRPOKIT_API_KEY by default)")
             if out.get("kind") == "non_finite_logits":
                 raise NonFiniteLogits(msg)
             raise RolloutServerError(f"rollout server {self.address}: {method} {path}: {msg}")
         return out
+
+
+class _Busy(Exception):
+    """The server answered 503: asked again after a pause."""
+
+
+class KeyRefused(RolloutServerError):
+    """The server answered 401: the trainer's API key is missing or wrong."""
 
 
 class PendingRollout:
@@ -122,12 +149,14 @@ class ServerEngine:
     owns_weights = True
 
     def __init__(self, address: str, tokenizer, *, device: torch.device | str = "cpu", timeout_s: float = 600.0,
-                 retries: int = 3):
-        self.http = _Http(address, timeout_s, retries)
+                 retries: int = 3, api_key: str | None = None):
+        self.http = _Http(address, timeout_s, retries, api_key)
         self.tokenizer, self.timeout_s = tokenizer, timeout_s
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         try:
             health = self.http.call("GET", "/health")
+        except KeyRefused as exc:
+            raise ConfigError(str(exc)) from None
         except RolloutServerError as exc:
             raise ConfigError(f"rollout.server {address}: no rollout server answers there ({exc}); start one "
                               "with `grpokit rollout-server --model PATH --port PORT`") from None
@@ -146,8 +175,12 @@ class ServerEngine:
 
     def _join_group(self, backend: str) -> WeightGroup:
         out = self.http.call("POST", "/init_weights_group", {"backend": backend, "timeout_s": self.timeout_s})
-        store = connect_store(self.http.host, int(out["port"]), self.timeout_s)
-        group = WeightGroup(store, TRAINER, backend, self.timeout_s, str(out["group_id"]))
+        try:
+            port, gid, secret = int(out["port"]), str(out["group_id"]), str(out["secret"])
+        except (KeyError, TypeError, ValueError):
+            raise RolloutServerError(f"rollout server {self.http.address}: malformed /init_weights_group answer") from None
+        store = connect_store(self.http.host, port, self.timeout_s)
+        group = WeightGroup(store, TRAINER, backend, self.timeout_s, gid, secret)
         self._store = store                    # the group needs its store alive
         return group
 

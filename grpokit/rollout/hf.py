@@ -16,18 +16,28 @@ forward with a `DynamicCache`, dropping finished rows at once.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from transformers import DynamicCache
 
 from grpokit.gemm import fast_linears
-from grpokit.rollout.base import PromptStreams, RolloutBatch, SamplingParams, sample_next
+from grpokit.rollout.base import (GenerationCancelled, PromptStreams, RolloutBatch, SamplingParams, check_weights,
+                                  sample_next)
 from grpokit.rollout.decoder import LeanDecoder
+
+
+def _check(stop: threading.Event | None) -> None:
+    if stop is not None and stop.is_set():
+        raise GenerationCancelled("generation cancelled")
 
 
 class HFEngine:
     """Rollout engine over a transformers model: the policy itself (`owns_weights=False`, nothing
     to sync), or a model of its own whose weights `update_weights` replaces after each optimizer
     step (`owns_weights=True`: the decoupled-engine path, run in one process)."""
+
+    cancellable = True          # generate() takes `stop`
 
     def __init__(self, model, tokenizer, *, lean: bool = True, owns_weights: bool = False):
         """`lean`: use grpokit's own forward for models that `LeanDecoder.supports` (same
@@ -56,18 +66,17 @@ class HFEngine:
             return
         state = self.model.state_dict()
         given = list(named_tensors)          # checked whole before any is loaded: no half-updated model
-        for name, t in given:
-            if name not in state:
-                raise KeyError(f"update_weights: the engine's model has no tensor {name!r}")
-            if tuple(state[name].shape) != tuple(t.shape):
-                raise ValueError(f"update_weights: {name} has shape {tuple(t.shape)}, the engine's {tuple(state[name].shape)}")
-        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
-        missing = {n for n, _ in self.model.named_parameters()} - {n for n, _ in given} - tied
-        if missing:
-            raise ValueError(f"update_weights: {len(missing)} parameters not sent, e.g. {sorted(missing)[:3]}")
+        check_weights(((n, t.shape) for n, t in given), *self.expected_weights())
         for name, t in given:
             state[name].copy_(t)
         self.weights_version = self.weights_version + 1 if version is None else version
+
+    def expected_weights(self) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+        """(shape of every tensor `update_weights` takes, the names it must be given: every
+        parameter but a tied LM head)."""
+        shapes = {n: tuple(t.shape) for n, t in self.model.state_dict().items()}
+        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+        return shapes, {n for n, _ in self.model.named_parameters()} - tied
 
     def release_memory(self) -> None:
         """Free what generation holds between rollouts (nothing for this engine: the KV cache
@@ -78,9 +87,11 @@ class HFEngine:
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
-                 generator: torch.Generator | PromptStreams | None = None) -> RolloutBatch:
+                 generator: torch.Generator | PromptStreams | None = None, *,
+                 stop: threading.Event | None = None) -> RolloutBatch:
         """`generator`: one stream for the batch, or a `PromptStreams` (one per prompt: a prompt's
-        completions then do not depend on the rest of the batch)."""
+        completions then do not depend on the rest of the batch). `stop`: checked before every
+        forward pass; once set, GenerationCancelled is raised (a rollout server whose client left)."""
         model, dev = self.model, next(self.model.parameters()).device
         was_training = model.training
         model.eval()
@@ -90,9 +101,9 @@ class HFEngine:
             if isinstance(generator, PromptStreams) and len(generator) != len(prompt_ids):
                 raise ValueError(f"{len(generator)} prompt streams for {len(prompt_ids)} prompts")
             if self.lean and LeanDecoder.supports(model) and LeanDecoder.folds_fit(model):
-                return self._generate_lean(model, dev, prompt_ids, params, generator)
+                return self._generate_lean(model, dev, prompt_ids, params, generator, stop)
             with fast_linears(model):
-                return self._generate(model, dev, prompt_ids, params, generator)
+                return self._generate(model, dev, prompt_ids, params, generator, stop)
         finally:
             model.train(was_training)
 
@@ -124,7 +135,7 @@ class HFEngine:
             completions=texts, resampled=int(n_resampled),
         )
 
-    def _generate_lean(self, model, dev, prompt_ids, params, generator) -> RolloutBatch:
+    def _generate_lean(self, model, dev, prompt_ids, params, generator, stop=None) -> RolloutBatch:
         B, G, T = len(prompt_ids), params.n, params.max_new_tokens
         ids, pmask = self._prompts(prompt_ids, dev)
         P = ids.shape[1]
@@ -145,6 +156,7 @@ class HFEngine:
             next_pos = pmask.sum(-1).repeat_interleave(G, 0)     # [N] position of completion token 0
         else:
             cos, sin, m = cos_t[:P], sin_t[:P], None
+        _check(stop)
         logits = dec.forward(ids, 0, cos, sin, m, expand=G)      # [N, V]
 
         eos = torch.tensor(self.eos_ids, device=dev)
@@ -187,6 +199,7 @@ class HFEngine:
                 cos, sin, m = cos_t[p][:, None, None], sin_t[p][:, None, None], keymask[..., :s + 1]
             else:
                 cos, sin, m = cos_t[s], sin_t[s], None
+            _check(stop)
             logits = dec.forward(tok[:, None], s, cos, sin, m)
         out_tok[orig] = tok_buf
         out_lp[orig] = lp_buf
@@ -198,12 +211,13 @@ class HFEngine:
             eos_at = torch.full((N,), -1, dtype=torch.long, device=dev)
         return self._batch(prompt_ids, G, out_tok, out_lp, eos_at, n_resampled)
 
-    def _generate(self, model, dev, prompt_ids, params, generator) -> RolloutBatch:
+    def _generate(self, model, dev, prompt_ids, params, generator, stop=None) -> RolloutBatch:
         B, G, T = len(prompt_ids), params.n, params.max_new_tokens
         ids, mask = self._prompts(prompt_ids, dev)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
 
         cache = DynamicCache()
+        _check(stop)
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                     use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1].repeat_interleave(G, 0)       # [N, V]
@@ -242,6 +256,7 @@ class HFEngine:
                 cache.batch_select_indices(sel)
                 active, tok, mask, next_pos = active[sel], tok[sel], mask[sel], next_pos[sel]
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+            _check(stop)
             out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
                         past_key_values=cache, use_cache=True)
             logits = out.logits[:, -1]

@@ -10,6 +10,7 @@ when it is called.
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any, Callable
 
 from grpokit._names import lookup, register
@@ -76,7 +77,8 @@ def _server(model, tokenizer, rollout=None, **options):
     if rollout is None or not rollout.server:
         raise ConfigError("rollout.engine=server needs rollout.server=HOST:PORT (a running `grpokit rollout-server`)")
     engine = ServerEngine(rollout.server, tokenizer, device=next(model.parameters()).device,
-                          timeout_s=rollout.server_timeout_s, retries=rollout.server_retries)
+                          timeout_s=rollout.server_timeout_s, retries=rollout.server_retries,
+                          api_key=os.environ.get(rollout.server_api_key_env) or None)
     weights = merged_state_dict(model) if is_peft(model) else model.state_dict()
     engine.update_weights(((n, t.detach()) for n, t in weights.items()), version=0)
     return engine

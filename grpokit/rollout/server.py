@@ -1,17 +1,20 @@
 """`grpokit rollout-server`: a rollout engine in a process of its own, driven by a trainer over HTTP.
 
 A thin wrapper, not an inference server: it holds one engine (the transformers one, `--backend hf`,
-or the in-process vLLM engine, `--backend vllm`) and answers small JSON requests with the standard
-library's threading HTTP server. Completions go back as token ids with their sampler log-probs;
-weights come in over a two-member torch.distributed group (grpokit.rollout.weight_sync), announced
-first by name, shape and dtype. The engine never generates while weights are being loaded into it,
-and every generation says which weights version produced it.
+or the in-process vLLM engine, `--backend vllm`) and answers small JSON requests. Completions go
+back as token ids with their sampler log-probs; weights come in over a two-member
+torch.distributed group (grpokit.rollout.weight_sync), announced first by name, shape and dtype.
+The engine never generates while weights are being loaded into it, and every generation says which
+weights version produced it. The HTTP front (the API key, request limits, deadlines, cancelling the
+generation of a client that left) is grpokit.rollout.serving.
 
-Endpoints (JSON bodies, grpokit.rollout.wire):
-  GET  /health               instance id, weights version, backend, device, vocabulary size
+Endpoints (JSON bodies, grpokit.rollout.wire; all of them need the API key when one is set):
+  GET  /health               instance id, weights version, backend, device, vocabulary size, request counts
   POST /generate             GenerateRequest -> GenerateResponse
-  POST /init_weights_group   GroupRequest -> {"port", "group_id"}: join the store on that port as rank 0
-  POST /update_weights       UpdateRequest: the tensors follow over the group; answered at once
+  POST /init_weights_group   GroupRequest -> {"port", "group_id", "secret"}: join the store on that port
+                             as rank 0 and prove the secret
+  POST /update_weights       UpdateRequest: checked against the engine's tensors, which then follow over
+                             the group; answered at once
   GET  /version[?wait=1]     {"version"}; with wait=1, once the update in progress is loaded (or failed)
   GET  /checksums            {"version", "checksums": {name: sha256 of the bytes}} of the engine's weights
   POST /shutdown             stop serving
@@ -20,37 +23,32 @@ Endpoints (JSON bodies, grpokit.rollout.wire):
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
+import os
 import threading
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlsplit
 
 import torch
 
 from grpokit.errors import ConfigError
 from grpokit.rollout import wire
-from grpokit.rollout.base import NonFiniteLogits
-from grpokit.rollout.weight_sync import SERVER, WeightGroup, host_store, new_group_id
+from grpokit.rollout.base import GenerationCancelled, NonFiniteLogits, check_weights
+from grpokit.rollout.serving import (API_KEY_ENV, RequestError, RolloutHTTPServer, ServerLimits, check_bind,
+                                     is_loopback)
+from grpokit.rollout.weight_sync import SERVER, WeightGroup, host_store, new_group_id, new_secret
 
 log = logging.getLogger("grpokit.rollout.server")
-MAX_BODY = 64 * 2**20          # a generation request is token ids; weights never come over HTTP
 
-
-class RequestError(Exception):
-    """Answered with `status` and a one-line JSON error."""
-
-    def __init__(self, status: int, message: str, kind: str = "bad_request"):
-        super().__init__(message)
-        self.status, self.kind = status, kind
+__all__ = ["RequestError", "RolloutService", "ServerLimits", "make_server", "serve", "tensor_checksum"]
 
 
 class RolloutService:
-    """The engine and its weights version; what the HTTP handlers call."""
+    """The engine and its weights version; what the HTTP front (grpokit.rollout.serving) calls."""
 
-    def __init__(self, engine, *, host: str, backend: str, model: str, device: str, vocab_size: int | None):
+    def __init__(self, engine, *, host: str, backend: str, model: str, device: str, vocab_size: int | None,
+                 limits: ServerLimits | None = None):
         self.engine, self.host = engine, host
+        self.limits = limits or ServerLimits()
         self.info = {"backend": backend, "model": model, "device": device, "vocab_size": vocab_size}
         self.instance = uuid.uuid4().hex        # a restarted server is another instance
         self.version = 0
@@ -61,24 +59,94 @@ class RolloutService:
         self.join_error: str | None = None
         self.updating: threading.Thread | None = None
         self.update_error: str | None = None
+        self.counts = {"generated": 0, "cancelled": 0}
+        self._count_lock = threading.Lock()
+        self.routes = {
+            "/health": {"GET": lambda h, q: self.health(h.server.counts)},
+            "/version": {"GET": lambda h, q: self.wait_version(q.get("wait", ["0"])[0] == "1")},
+            "/checksums": {"GET": lambda h, q: self.checksums()},
+            "/generate": {"POST": self._generate},
+            "/init_weights_group": {"POST": lambda h, q: self.init_group(
+                _parse(wire.GroupRequest, h.read_json(), "init_weights_group request"))},
+            "/update_weights": {"POST": lambda h, q: self.start_update(
+                _parse(wire.UpdateRequest, h.read_json(), "update_weights request"))},
+            "/shutdown": {"POST": self._shutdown},
+        }
+
+    def route(self, handler, method: str, path: str, query: dict):
+        """Answer one authenticated request (grpokit.rollout.serving.Handler); None when answered already."""
+        table = self.routes.get(path)
+        if table is None:
+            raise RequestError(404, f"no endpoint {path[:100]}", "not_found")
+        if method not in table:
+            raise RequestError(405, f"{method[:20]} {path} is not allowed (use {' or '.join(table)})",
+                               "method_not_allowed")
+        return table[method](handler, query)
+
+    def _count(self, what: str) -> None:
+        with self._count_lock:
+            self.counts[what] += 1
 
     # ----------------------------------------------------------------------------- requests
-    def health(self) -> dict:
+    def health(self, http_counts: dict | None = None) -> dict:
         return {"status": "ok", "instance": self.instance, "version": self.version,
-                "group": self.group is not None, **self.info}
+                "group": self.group is not None, **self.info,
+                "requests": {**self.counts, **(http_counts or {})}}
 
-    def generate(self, req: wire.GenerateRequest) -> dict:
+    def _generate(self, handler, query) -> dict:
+        req = _parse(wire.GenerateRequest, handler.read_json(), "generate request")
+        key, gone = handler.watch_client()
+        try:
+            return self.generate(req, stop=gone)
+        finally:
+            handler.server.watchdog.unwatch(key)
+
+    def check_limits(self, req: wire.GenerateRequest) -> None:
+        """RequestError (400) naming the limit a /generate request is over."""
+        lim, p = self.limits, req.params
+        completions = len(req.prompt_ids) * p.n
+        longest = max(len(x) for x in req.prompt_ids)
+        if completions > lim.max_completions:
+            raise RequestError(400, f"{len(req.prompt_ids)} prompts x n={p.n} = {completions} completions is over "
+                                    f"this server's {lim.max_completions} (--max-completions)", "too_large")
+        if longest > lim.max_prompt_tokens:
+            raise RequestError(400, f"a prompt of {longest} tokens is over this server's {lim.max_prompt_tokens} "
+                                    "(--max-prompt-tokens)", "too_large")
+        if p.max_new_tokens > lim.max_new_tokens:
+            raise RequestError(400, f"params.max_new_tokens={p.max_new_tokens} is over this server's "
+                                    f"{lim.max_new_tokens} (--max-new-tokens)", "too_large")
+        positions = completions * (longest + p.max_new_tokens)
+        if lim.max_batch_tokens is not None and positions > lim.max_batch_tokens:
+            raise RequestError(400, f"the request needs {positions} cached token positions (completions x (longest "
+                                    f"prompt + max_new_tokens)); this server takes {lim.max_batch_tokens} "
+                                    "(--max-batch-tokens): send fewer prompts per request", "too_large")
         vocab = self.info["vocab_size"]
-        if vocab is not None and max(max(p) for p in req.prompt_ids) >= vocab:
+        if vocab is not None and max(max(x) for x in req.prompt_ids) >= vocab:
             raise RequestError(400, f"a prompt token id is >= the model's vocabulary size {vocab}")
+
+    def generate(self, req: wire.GenerateRequest, stop: threading.Event | None = None) -> dict:
+        """Generate for `req`; `stop` set (the client left) cancels it, at its next token where the
+        engine can (`cancellable`), else once it is done; a cancelled generation answers nothing."""
+        self.check_limits(req)
         dev = torch.device(self.info["device"])
         gen = torch.Generator(device=dev).manual_seed(req.seed) if req.seed is not None else None
+        cancellable = getattr(self.engine, "cancellable", False)
         with self.engine_lock:
             version = self.version
             try:
-                rb = self.engine.generate(req.prompt_ids, req.params.params(), gen)
+                if stop is not None and stop.is_set():
+                    raise GenerationCancelled("its client left while it waited")
+                kw = {"stop": stop} if cancellable and stop is not None else {}
+                rb = self.engine.generate(req.prompt_ids, req.params.params(), gen, **kw)
+                if stop is not None and stop.is_set():
+                    raise GenerationCancelled("its client left")
             except NonFiniteLogits as exc:
                 raise RequestError(422, str(exc), "non_finite_logits") from None
+            except GenerationCancelled as exc:
+                self._count("cancelled")
+                log.info("a generation was cancelled: %s", exc)
+                raise RequestError(499, "the client went away", "cancelled") from None
+        self._count("generated")
         lengths = rb.completion_mask.sum(-1).tolist()
         return {"completion_ids": [rb.completion_ids[i, :n].tolist() for i, n in enumerate(lengths)],
                 "logprobs": [rb.sampler_logprobs[i, :n].tolist() for i, n in enumerate(lengths)],
@@ -86,7 +154,8 @@ class RolloutService:
                 "weights_version": version, "instance": self.instance}
 
     def init_group(self, req: wire.GroupRequest) -> dict:
-        """Host a store and join the new group from a thread; the trainer joins it as rank 0."""
+        """Host a store and join the new group from a thread; the trainer joins it as rank 0 and
+        proves the secret handed out here (grpokit.rollout.weight_sync)."""
         with self.state_lock:
             if self.updating is not None and self.updating.is_alive():
                 raise RequestError(409, "a weight update is in progress")
@@ -95,12 +164,12 @@ class RolloutService:
             if self.group is not None:
                 self.group.close()
                 self.group = None
-            store, gid = host_store(self.host, req.timeout_s), new_group_id()
+            store, gid, secret = host_store(self.host, req.timeout_s), new_group_id(), new_secret()
             self.join_error = None
 
             def join():
                 try:
-                    group = WeightGroup(store, SERVER, req.backend, req.timeout_s, gid)
+                    group = WeightGroup(store, SERVER, req.backend, req.timeout_s, gid, secret)
                 except Exception as exc:  # noqa: BLE001 - reported to the trainer at its next update
                     self.join_error = f"the weight group did not form: {exc}"
                     log.error(self.join_error)
@@ -109,10 +178,18 @@ class RolloutService:
 
             self.joining = threading.Thread(target=join, name="weight-group-join", daemon=True)
             self.joining.start()
-            return {"port": store.port, "group_id": gid}
+            return {"port": store.port, "group_id": gid, "secret": secret}
 
     def start_update(self, req: wire.UpdateRequest) -> dict:
-        """Receive the announced tensors over the group from a thread, then load them whole."""
+        """Check the announced tensors against the engine's (names and shapes; refused whole, 400,
+        before any moves), receive them over the group from a thread, then load them whole."""
+        expected = getattr(self.engine, "expected_weights", None)
+        if expected is not None:
+            try:
+                check_weights(((m.name, m.shape) for m in req.tensors), *expected())
+            except (KeyError, ValueError) as exc:
+                msg = exc.args[0] if exc.args else str(exc)
+                raise RequestError(400, f"weights version {req.version} not loaded: {msg}", "bad_weights") from None
         with self.state_lock:
             if self.joining is not None:
                 self.joining.join()
@@ -153,9 +230,20 @@ class RolloutService:
             sums = {n: tensor_checksum(t) for n, t in model.state_dict().items()}
         return {"version": self.version, "checksums": sums}
 
+    def _shutdown(self, handler, query) -> None:
+        handler.send_json(200, {"status": "stopping"})
+        threading.Thread(target=handler.server.shutdown, daemon=True).start()
+
     def close(self) -> None:
         if self.group is not None:
             self.group.close()
+
+
+def _parse(model, body, what: str):
+    try:
+        return wire.parse(model, body, what)
+    except wire.WireError as exc:
+        raise RequestError(400, str(exc)) from None
 
 
 def tensor_checksum(t: torch.Tensor) -> str:
@@ -166,84 +254,16 @@ def tensor_checksum(t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-# --------------------------------------------------------------------------------- HTTP
-class _Handler(BaseHTTPRequestHandler):
-    service: RolloutService                       # set on the subclass made by `make_server`
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, fmt, *args):            # requests at debug level, not on stderr
-        log.debug("%s " + fmt, self.address_string(), *args)
-
-    def _send(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _body(self):
-        n = int(self.headers.get("Content-Length") or 0)
-        if n > MAX_BODY:
-            raise RequestError(413, f"request body of {n} bytes is over the {MAX_BODY}-byte limit")
-        try:
-            return json.loads(self.rfile.read(n) or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise RequestError(400, f"the body is not JSON: {exc}") from None
-
-    def _route(self, method: str) -> None:
-        url = urlsplit(self.path)
-        query = parse_qs(url.query)
-        svc = self.service
-        try:
-            if method == "GET" and url.path == "/health":
-                out = svc.health()
-            elif method == "GET" and url.path == "/version":
-                out = svc.wait_version(query.get("wait", ["0"])[0] == "1")
-            elif method == "GET" and url.path == "/checksums":
-                out = svc.checksums()
-            elif method == "POST" and url.path == "/generate":
-                out = svc.generate(wire.parse(wire.GenerateRequest, self._body(), "generate request"))
-            elif method == "POST" and url.path == "/init_weights_group":
-                out = svc.init_group(wire.parse(wire.GroupRequest, self._body(), "init_weights_group request"))
-            elif method == "POST" and url.path == "/update_weights":
-                out = svc.start_update(wire.parse(wire.UpdateRequest, self._body(), "update_weights request"))
-            elif method == "POST" and url.path == "/shutdown":
-                self._send(200, {"status": "stopping"})
-                threading.Thread(target=self.server.shutdown, daemon=True).start()
-                return
-            else:
-                raise RequestError(404, f"no endpoint {method} {url.path}", "not_found")
-        except wire.WireError as exc:
-            self._send(400, {"error": str(exc), "kind": "bad_request"})
-            return
-        except RequestError as exc:
-            self._send(exc.status, {"error": str(exc), "kind": exc.kind})
-            return
-        except Exception as exc:  # noqa: BLE001 - the engine failed: tell the trainer, keep serving
-            log.exception("%s %s failed", method, url.path)
-            self._send(500, {"error": f"{type(exc).__name__}: {exc}", "kind": "server_error"})
-            return
-        self._send(200, out)
-
-    def do_GET(self):  # noqa: N802 - http.server's naming
-        self._route("GET")
-
-    def do_POST(self):  # noqa: N802
-        self._route("POST")
-
-
-def make_server(service: RolloutService, host: str, port: int) -> ThreadingHTTPServer:
-    handler = type("Handler", (_Handler,), {"service": service})
-    httpd = ThreadingHTTPServer((host, port), handler)
-    httpd.daemon_threads = True
-    return httpd
+def make_server(service: RolloutService, host: str, port: int, *, api_key: str | None = None) -> RolloutHTTPServer:
+    """The HTTP server in front of `service` (not yet serving: call `serve_forever`), with the
+    service's limits; `api_key`: required of every request when given."""
+    return RolloutHTTPServer((host, port), service.route, limits=service.limits, api_key=api_key)
 
 
 # --------------------------------------------------------------------------------- backends
 def load_backend(backend: str, model_path: str, *, device: str = "auto", dtype: str = "auto"):
-    """(engine, vocab size, device) for `--backend`: the HF engine over its own copy of the model,
-    or the in-process vLLM engine (grpokit.rollout.vllm, imported only here)."""
+    """(engine, model config, device, bytes per weight) for `--backend`: the HF engine over its own
+    copy of the model, or the in-process vLLM engine (grpokit.rollout.vllm, imported only here)."""
     from grpokit.models.hf import resolve_device
 
     dev = str(resolve_device(device))
@@ -255,7 +275,8 @@ def load_backend(backend: str, model_path: str, *, device: str = "auto", dtype: 
         model.eval()
         for p in model.parameters():
             p.requires_grad_(False)
-        return HFEngine(model, load_tokenizer(model_path), owns_weights=True), model.config.vocab_size, dev
+        engine = HFEngine(model, load_tokenizer(model_path), owns_weights=True)
+        return engine, model.config, dev, next(model.parameters()).element_size()
     if backend == "vllm":
         from transformers import AutoConfig
 
@@ -266,19 +287,59 @@ def load_backend(backend: str, model_path: str, *, device: str = "auto", dtype: 
         except ImportError as exc:
             raise ConfigError(f"--backend vllm is not available here ({exc}); install grpokit[vllm] "
                               "or use --backend hf") from None
-        return engine, AutoConfig.from_pretrained(model_path).vocab_size, dev
+        return engine, AutoConfig.from_pretrained(model_path), dev, 2
     raise ConfigError(f"unknown --backend {backend!r} (hf or vllm)")
 
 
+def kv_bytes_per_token(config, elem_bytes: int) -> int | None:
+    """Bytes of KV cache one token position takes (keys and values of every layer); None when the
+    config does not say."""
+    text = getattr(config, "text_config", None) or config
+    layers = getattr(text, "num_hidden_layers", None)
+    heads = getattr(text, "num_attention_heads", None)
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
+    if not (layers and kv and head_dim):
+        return None
+    return 2 * layers * kv * head_dim * elem_bytes
+
+
+def default_batch_tokens(config, elem_bytes: int, device: str, share: float = 0.5) -> int | None:
+    """Token positions whose KV cache fits `share` of the memory free now on `device`."""
+    from grpokit.rollout.decoder import free_bytes
+
+    per = kv_bytes_per_token(config, elem_bytes)
+    if per is None:
+        return None
+    return max(1, int(share * free_bytes(torch.device(device)) // per))
+
+
+def resolve_api_key(api_key: str | None) -> str | None:
+    """`--api-key`, else the environment's GRPOKIT_API_KEY; None when neither is set (or empty)."""
+    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+    return key or None
+
+
 def serve(model_path: str, *, backend: str = "hf", host: str = "127.0.0.1", port: int = 8000,
-          device: str = "auto", dtype: str = "auto", say=print) -> None:
+          device: str = "auto", dtype: str = "auto", api_key: str | None = None, insecure: bool = False,
+          limits: ServerLimits | None = None, say=print) -> None:
     """Load the engine and serve until POST /shutdown (or Ctrl-C). `port` 0 picks a free one; the
-    first line printed names the address."""
-    engine, vocab, dev = load_backend(backend, model_path, device=device, dtype=dtype)
-    service = RolloutService(engine, host=host, backend=backend, model=str(model_path), device=dev, vocab_size=vocab)
-    httpd = make_server(service, host, port)
+    first line printed names the address. `api_key` (else GRPOKIT_API_KEY) is required of every
+    request; a non-loopback `host` refuses to start without one unless `insecure`."""
+    key = resolve_api_key(api_key)
+    check_bind(host, key, insecure)                          # before the model loads
+    limits = limits or ServerLimits()
+    engine, config, dev, elem = load_backend(backend, model_path, device=device, dtype=dtype)
+    if limits.max_batch_tokens is None and backend == "hf":  # vLLM pages its own cache
+        import dataclasses
+        limits = dataclasses.replace(limits, max_batch_tokens=default_batch_tokens(config, elem, dev))
+    service = RolloutService(engine, host=host, backend=backend, model=str(model_path), device=dev,
+                             vocab_size=getattr(config, "vocab_size", None), limits=limits)
+    httpd = make_server(service, host, port, api_key=key)
+    access = "API key required" if key else ("no API key: loopback only" if is_loopback(host) else
+                                             "no API key (--insecure): anyone who reaches the port can use it")
     say(f"grpokit rollout-server: listening on {host}:{httpd.server_address[1]} "
-        f"(backend {backend}, device {dev}, model {model_path})", flush=True)
+        f"(backend {backend}, device {dev}, model {model_path}; {access})", flush=True)
     try:
         httpd.serve_forever(poll_interval=0.2)
     except KeyboardInterrupt:

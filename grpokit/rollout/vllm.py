@@ -42,7 +42,7 @@ from typing import Any, Iterable
 import torch
 
 from grpokit.errors import ConfigError
-from grpokit.rollout.base import RolloutBatch, SamplingParams
+from grpokit.rollout.base import RolloutBatch, SamplingParams, check_weights
 
 log = logging.getLogger("grpokit.rollout")
 
@@ -230,20 +230,17 @@ class VLLMEngine:
             completions=self.tokenizer.batch_decode(rows, skip_special_tokens=True))
 
     # ------------------------------------------------------------------ weights
+    def expected_weights(self) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+        """(shape of every tensor `update_weights` takes, the names it must be given)."""
+        return self.shapes, self.required
+
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
         """Load full, Hugging Face-named tensors (`TrainingWorker.export_weights()`) into vLLM. Every
         parameter must be given (a tied LM head may be left out); an unknown name or a wrong shape
         is an error, found before anything is loaded."""
         given = list(named_tensors)
-        for name, t in given:
-            if name not in self.shapes:
-                raise KeyError(f"update_weights: the engine's model has no tensor {name!r}")
-            if tuple(t.shape) != self.shapes[name]:
-                raise ValueError(f"update_weights: {name} has shape {tuple(t.shape)}, the engine's {self.shapes[name]}")
-        missing = self.required - {name for name, _ in given}
-        if missing:
-            raise ValueError(f"update_weights: {len(missing)} parameters not sent, e.g. {sorted(missing)[:3]}")
+        check_weights(((n, t.shape) for n, t in given), self.shapes, self.required)
         if self._asleep and not self._weights_awake:
             self.llm.wake_up(tags=["weights"])
             self._weights_awake = True

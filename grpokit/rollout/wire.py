@@ -8,6 +8,7 @@ the weight group (grpokit.rollout.weight_sync).
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -28,7 +29,7 @@ class WireError(ValueError):
 
 
 class _Wire(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class WireSampling(_Wire):
@@ -37,7 +38,7 @@ class WireSampling(_Wire):
     max_new_tokens: int = Field(64, ge=1)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, lt=2**31)
     resample_threshold: float | None = Field(None, gt=0, lt=1)
     ignore_eos: bool = False
 
@@ -88,9 +89,9 @@ class GenerateResponse(_Wire):
 
 
 class TensorMeta(_Wire):
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=1024)
     dtype: str
-    shape: list[int]
+    shape: list[int] = Field(max_length=8)
 
     @model_validator(mode="after")
     def _known(self):
@@ -98,13 +99,15 @@ class TensorMeta(_Wire):
             raise ValueError(f"{self.name}: unknown dtype {self.dtype!r} (known: {', '.join(DTYPES)})")
         if any(s < 0 for s in self.shape):
             raise ValueError(f"{self.name}: negative size in shape {self.shape}")
+        if math.prod(self.shape) >= 2**40:
+            raise ValueError(f"{self.name}: shape {self.shape} is over 2^40 elements")
         return self
 
 
 class UpdateRequest(_Wire):
     """Announces a weight update: the tensors follow over the weight group, in this order."""
-    version: int = Field(ge=0)
-    tensors: list[TensorMeta] = Field(min_length=1)
+    version: int = Field(ge=0, lt=2**62)
+    tensors: list[TensorMeta] = Field(min_length=1, max_length=100_000)
 
     @model_validator(mode="after")
     def _unique(self):
@@ -117,7 +120,7 @@ class UpdateRequest(_Wire):
 
 class GroupRequest(_Wire):
     backend: Literal["gloo", "nccl"]
-    timeout_s: float = Field(gt=0)
+    timeout_s: float = Field(gt=0, le=86_400)
 
 
 def parse(model: type[BaseModel], body, what: str):

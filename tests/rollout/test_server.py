@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -23,12 +22,13 @@ from grpokit.config import load_config
 from grpokit.rollout import wire
 from grpokit.rollout.client import RolloutServerError, ServerEngine
 from grpokit.rollout.hf import HFEngine
-from grpokit.rollout.server import RolloutService, make_server, tensor_checksum
+from grpokit.rollout.server import tensor_checksum
 from grpokit.train import build_trainer
 from grpokit.train import checkpoint as ckpt_lib
 from grpokit.models import load_model, load_tokenizer
 from tests.fixtures import greedy_outputs, small_overrides, tiny_run_inputs, varied_trainer
 from tests.rollout.server_proc import ServerProcess
+from tests.rollout.server_proc import served as _served
 
 
 @pytest.fixture(scope="module")
@@ -38,21 +38,9 @@ def setup(tmp_path_factory):
 
 @contextmanager
 def served(model_dir: Path):
-    """A rollout server over its own copy of `model_dir`, in a thread of this process."""
-    model = load_model(model_dir, dtype="float32", device="cpu")
-    model.eval()
-    service = RolloutService(HFEngine(model, load_tokenizer(model_dir), owns_weights=True), host="127.0.0.1",
-                             backend="hf", model=str(model_dir), device="cpu", vocab_size=model.config.vocab_size)
-    httpd = make_server(service, "127.0.0.1", 0)
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield f"127.0.0.1:{httpd.server_address[1]}", service
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        service.close()
-        thread.join(timeout=10)
+    """(address, service): a rollout server in a thread of this process (tests/rollout/server_proc.py)."""
+    with _served(model_dir) as (address, service, _):
+        yield address, service
 
 
 def free_port() -> int:
@@ -117,7 +105,7 @@ def test_update_metadata_is_checked_before_any_tensor_moves():
 def test_the_server_refuses_bad_requests_with_one_line_errors(setup):
     import http.client
     _, model_dir, _, _ = setup
-    with served(model_dir) as (address, _):
+    with served(model_dir) as (address, service):
         host, port = address.split(":")
 
         def post(path, raw: bytes):
@@ -136,6 +124,9 @@ def test_the_server_refuses_bad_requests_with_one_line_errors(setup):
         assert post("/nowhere", b"{}")[0] == 404
         status, body = post("/update_weights", json.dumps({"version": 1, "tensors": [
             {"name": "w", "dtype": "float32", "shape": [1]}]}).encode())
+        assert status == 400 and "not loaded" in body["error"] and "no tensor 'w'" in body["error"]
+        meta = wire.describe(list(service.engine.model.state_dict().items()))     # the right tensors, no group
+        status, body = post("/update_weights", json.dumps({"version": 1, "tensors": meta}).encode())
         assert status == 409 and "init_weights_group" in body["error"]
 
 
@@ -164,10 +155,10 @@ def test_sync_mode_samples_only_from_the_latest_weights_and_refuses_a_restarted_
         assert m["rollout/logprob_diff_max"] < 1e-4                  # same numerics on both sides
         # a response that is not what was asked for is refused, never used
         real = service.generate
-        service.generate = lambda req: {**real(req), "completion_ids": real(req)["completion_ids"][:-1]}
+        service.generate = lambda req, stop=None: {**real(req), "completion_ids": real(req)["completion_ids"][:-1]}
         with pytest.raises(RolloutServerError, match="malformed"):
             tr.step()
-        service.generate = lambda req: {**real(req), "logprobs": [[0.7] * len(c) for c in real(req)["completion_ids"]]}
+        service.generate = lambda req, stop=None: {**real(req), "logprobs": [[0.7] * len(c) for c in real(req)["completion_ids"]]}
         with pytest.raises(RolloutServerError, match="malformed generate response"):
             tr.step()
         service.generate = real
@@ -263,7 +254,7 @@ def test_the_cli_stops_with_one_line_and_exit_status_1_when_the_server_dies(setu
         def step_then_vanish(self):
             if self.step_idx == 1:                    # the server goes away before step 2's rollout
                 service.instance = "gone"
-                monkeypatch.setattr(service, "generate", lambda req: (_ for _ in ()).throw(ConnectionError("gone")))
+                monkeypatch.setattr(service, "generate", lambda req, stop=None: (_ for _ in ()).throw(ConnectionError("gone")))
             return real_step(self)
 
         monkeypatch.setattr(Trainer, "step", step_then_vanish)
