@@ -330,8 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     lim.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="longest prompt (default %(default)s)")
     lim.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="largest max_new_tokens (default %(default)s)")
     lim.add_argument("--max-batch-tokens", type=int, default=None,
-                     help="completions x (longest prompt + max_new_tokens) per request (default: what half the "
-                          "free memory holds in KV cache, hf backend)")
+                     help="completions x (longest prompt + max_new_tokens) per request (default: what 80%% of the "
+                          "memory free at start holds as KV cache, hf backend)")
     lim.add_argument("--max-in-flight", type=int, default=d.max_in_flight,
                      help="requests served at once; more get 503 (default %(default)s)")
     lim.add_argument("--max-connections", type=int, default=d.max_connections,

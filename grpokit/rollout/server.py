@@ -22,6 +22,7 @@ Endpoints (JSON bodies, grpokit.rollout.wire; all of them need the API key when 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -91,7 +92,7 @@ class RolloutService:
     def health(self, http_counts: dict | None = None) -> dict:
         return {"status": "ok", "instance": self.instance, "version": self.version,
                 "group": self.group is not None, **self.info,
-                "requests": {**self.counts, **(http_counts or {})}}
+                "requests": {**self.counts, **(http_counts or {})}, "limits": dataclasses.asdict(self.limits)}
 
     def _generate(self, handler, query) -> dict:
         req = _parse(wire.GenerateRequest, handler.read_json(), "generate request")
@@ -304,7 +305,7 @@ def kv_bytes_per_token(config, elem_bytes: int) -> int | None:
     return 2 * layers * kv * head_dim * elem_bytes
 
 
-def default_batch_tokens(config, elem_bytes: int, device: str, share: float = 0.5) -> int | None:
+def default_batch_tokens(config, elem_bytes: int, device: str, share: float = 0.8) -> int | None:
     """Token positions whose KV cache fits `share` of the memory free now on `device`."""
     from grpokit.rollout.decoder import free_bytes
 
@@ -331,7 +332,6 @@ def serve(model_path: str, *, backend: str = "hf", host: str = "127.0.0.1", port
     limits = limits or ServerLimits()
     engine, config, dev, elem = load_backend(backend, model_path, device=device, dtype=dtype)
     if limits.max_batch_tokens is None and backend == "hf":  # vLLM pages its own cache
-        import dataclasses
         limits = dataclasses.replace(limits, max_batch_tokens=default_batch_tokens(config, elem, dev))
     service = RolloutService(engine, host=host, backend=backend, model=str(model_path), device=dev,
                              vocab_size=getattr(config, "vocab_size", None), limits=limits)

@@ -208,10 +208,11 @@ class Handler(BaseHTTPRequestHandler):
 
     server: "RolloutHTTPServer"
     protocol_version = "HTTP/1.1"
-    error_content_type = "application/json"
+    default_request_version = "HTTP/1.0"        # refusals of unparsable request lines get a status line
 
     def setup(self) -> None:
-        self.timeout = self.server.limits.io_timeout_s          # applied to the socket: each read, each write
+        t = self.server.limits.io_timeout_s                    # reads end at the watchdog's deadline first:
+        self.timeout = t + max(1.0, t / 2)                     # the socket's own timeout is the backstop
         super().setup()
 
     def log_message(self, fmt, *args):                         # requests at debug level, not on stderr
@@ -219,11 +220,15 @@ class Handler(BaseHTTPRequestHandler):
 
     # ------------------------------------------------------------------------ one request
     def handle_one_request(self) -> None:
+        self.raw_requestline, self.requestline, self.command = b"", "", ""
         self._deadline = self.server.watchdog.arm(self.connection, self.server.limits.io_timeout_s)
         try:
             self._one_request()
-        except TimeoutError:
-            self._late()
+        except TimeoutError:                                   # a read waited io_timeout_s for a byte
+            if self.raw_requestline:
+                self._late()
+            else:                                              # an idle connection: closed without a word
+                self.close_connection = True
         except (ConnectionError, BrokenPipeError):
             self.close_connection = True
         finally:
@@ -243,9 +248,8 @@ class Handler(BaseHTTPRequestHandler):
             return
         if self._deadline.fired:
             return self._late()
-        if self.request_version == "HTTP/0.9":                 # a bare "GET /": answer with a status line
-            self.request_version = "HTTP/1.0"
-            return self._refuse(RequestError(400, "HTTP/0.9 requests are not served"))
+        if len(self.requestline.split()) < 3:                  # a bare "GET /" (HTTP/0.9)
+            return self._refuse(RequestError(400, "HTTP/0.9 requests are not served: name HTTP/1.0 or HTTP/1.1"))
         self._dispatch()                                       # every method: an unknown one is 405 there
 
     def _late(self) -> None:
@@ -339,6 +343,8 @@ class Handler(BaseHTTPRequestHandler):
     def send_error(self, code, message=None, explain=None):     # the standard library's refusals, as JSON
         self.close_connection = True
         text = message or self.responses.get(code, ("error",))[0]
+        if code >= 500:                                        # 505 for "HTTP/9.9": the client's mistake
+            code = 400
         self.send_json(code, {"error": str(text).splitlines()[0][:300], "kind": "bad_request"})
 
 
@@ -347,6 +353,7 @@ class RolloutHTTPServer(ThreadingHTTPServer):
 
     daemon_threads = True
     block_on_close = False
+    request_queue_size = 128               # the listen backlog (the standard library's 5 overflows under load)
 
     def __init__(self, address, route, *, limits: ServerLimits, api_key: str | None):
         self.route, self.limits, self.api_key = route, limits, api_key
@@ -371,15 +378,35 @@ class RolloutHTTPServer(ThreadingHTTPServer):
         if full:
             body = json.dumps({"error": f"the server has {self.limits.max_connections} connections open already; "
                                         "try again shortly", "kind": "busy"}).encode()
-            try:
-                request.settimeout(1.0)
+            try:                                               # on the accepting thread: nothing that waits
+                request.settimeout(0.05)
                 request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                                 b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                request.shutdown(socket.SHUT_WR)
+                request.recv(65536)                            # what has arrived of the request: not a reset
             except OSError:
                 pass
-            self.shutdown_request(request)
+            self.close_request(request)
             return
         super().process_request(request, client_address)
+
+    def shutdown_request(self, request) -> None:
+        """Close as a well-behaved server does ("lingering close"): send FIN after the answer, then
+        read and drop what the client still sends (a body never read, after a refusal) until it
+        closes, for at most a second, so that closing does not reset the connection before the
+        client has read the answer."""
+        try:
+            request.shutdown(socket.SHUT_WR)
+            request.settimeout(0.25)
+            deadline, got = time.monotonic() + 1.0, 0
+            while got < 4 * 2**20 and time.monotonic() < deadline:
+                chunk = request.recv(65536)
+                if not chunk:
+                    break
+                got += len(chunk)
+        except OSError:
+            pass
+        self.close_request(request)
 
     def process_request_thread(self, request, client_address):
         try:
