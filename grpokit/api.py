@@ -56,7 +56,10 @@ class GRPO:
     """
 
     def __init__(self, model: Any = None, rewards: Any = None, dataset: Any = None, config: Any = None, *,
-                 eval_dataset: Any = None, tokenizer: Any = None, overrides: Mapping[str, Any] | None = None):
+                 eval_dataset: Any = None, tokenizer: Any = None, overrides: Mapping[str, Any] | None = None,
+                 env: Any = None, tools: list | None = None):
+        """`env`: an environment class (multi-turn episodes: built per episode, its public methods
+        are its tools) or `tools`: plain tool functions; docs/agents.md."""
         if overrides is not None and not isinstance(overrides, Mapping):
             raise ConfigError(f"overrides must be a dict of dotted keys, e.g. {{'train.steps': 5}}; "
                               f"got {type(overrides).__name__}")
@@ -75,6 +78,14 @@ class GRPO:
             set_key(data, ["data", "path"], os.fspath(dataset), "dataset")
         if isinstance(eval_dataset, (str, os.PathLike)):
             set_key(data, ["data", "eval_path"], os.fspath(eval_dataset), "eval_dataset")
+        spec = None
+        if env is not None or tools:
+            from grpokit.rollout.episodes import EnvSpec
+            spec = EnvSpec(env, list(tools) if tools else None)
+            if env is not None:
+                set_key(data, ["rollout", "env"], _where(env), "env")
+            else:
+                set_key(data, ["rollout", "tools"], [_where(t) for t in tools], "tools")
         specs, fns = _reward_specs(rewards) if rewards is not None else (None, [])
         # the callables are in the registry only while the config is checked and the trainer built
         with registered_while(fns) as names:
@@ -98,7 +109,7 @@ class GRPO:
             from grpokit.train import build_run
 
             self.trainer = build_run(self.config, model=loaded, tokenizer=tokenizer, dataset=train_ds,
-                                     eval_dataset=eval_ds)
+                                     eval_dataset=eval_ds, env=spec)
         self.reward_names = [s.name for s in self.config.rewards]
 
     # ------------------------------------------------------------------ running
@@ -208,6 +219,11 @@ def _reward_specs(rewards) -> tuple[list[dict], list[tuple[str, Callable]]]:
 
 
 # ---------------------------------------------------------------------- model
+
+
+def _where(obj) -> str:
+    """"module:qualname" of a class or function, as recorded in the run's config.yaml."""
+    return f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', type(obj).__name__)}"
 
 
 def _model_dir(model) -> str:

@@ -96,9 +96,9 @@ def cmd_eval(args) -> int:
 
     over = [f"model.path={args.model}", f"data.path={args.data}", "data.eval_path="] + args.overrides
     cfg = load_config(args.config, over)
-    engine, encoder, rewards, ds = build_eval(cfg, args.model)
+    engine, encoder, rewards, ds, episodes = build_eval(cfg, args.model)
     res = evaluate(engine, encoder, rewards, ds, cfg, samples=args.samples,
-                   generator=torch.Generator().manual_seed(cfg.train.seed))
+                   generator=torch.Generator().manual_seed(cfg.train.seed), episodes=episodes)
     print(json.dumps({"model": args.model, "data": args.data, "prompts": len(ds), **res}, indent=2))
     return 0
 

@@ -37,6 +37,20 @@ class VLLMConfig(_Section):
     """Further keyword arguments for `vllm.LLM` (e.g. `max_num_seqs`, `enable_prefix_caching`)."""
 
 
+class AgentConfig(_Section):
+    """Multi-turn episodes (`rollout.env` or `rollout.tools`; grpokit.rollout.episodes, docs/agents.md).
+    An episode's token budget over all its turns and observations is `rollout.max_new_tokens`."""
+
+    max_turns: int = Field(8, ge=1)
+    """Assistant turns per episode; an episode still calling tools after them stops (`max_turns`)."""
+    max_observation_tokens: int = Field(256, ge=8)
+    """An observation (a tool's answer) longer than this is cut in the middle."""
+    tool_timeout_s: float = Field(10.0, gt=0)
+    """Longest wait for one tool call (or one `step`); a slower one is an error observation."""
+    tool_workers: int = Field(4, ge=1)
+    """Tool calls that run at once (threads off the decoding loop)."""
+
+
 class RolloutConfig(_Section):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
                               validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
@@ -112,6 +126,13 @@ class RolloutConfig(_Section):
     """Generation rounds per step with dynamic sampling (the batch may stay short after them)."""
     vllm: VLLMConfig = VLLMConfig()
     """Options of the `vllm` engine."""
+    env: str | None = None
+    """Multi-turn episodes with an environment: `package.module:Class`, built per episode, reset with
+    the dataset row; its public methods are its tools (docs/agents.md)."""
+    tools: list[str] = []
+    """Multi-turn episodes with plain tool functions: `package.module:function` each."""
+    agent: AgentConfig = AgentConfig()
+    """Limits of multi-turn episodes (`rollout.env` / `rollout.tools`)."""
 
     @model_validator(mode="after")
     def _combinations(self):
@@ -130,6 +151,23 @@ class RolloutConfig(_Section):
                                "(vLLM cannot exclude the over-confident token); use engine hf or hf_copy")
         return self
 
+    @property
+    def episodes(self) -> bool:
+        """True when rollouts are multi-turn episodes."""
+        return bool(self.env or self.tools)
+
     def check_config(self, cfg) -> None:
         if self.batch_size % cfg.algorithm.mini_batches:
             raise check_failed("rollout.batch_size must be divisible by algorithm.mini_batches")
+        if self.episodes:
+            if self.env and self.tools:
+                raise check_failed("give rollout.env or rollout.tools, not both (an environment's tools are its methods)")
+            if self.engine not in ("hf", "hf_copy"):
+                raise check_failed(f"multi-turn episodes (rollout.env / rollout.tools) run on rollout.engine hf or "
+                                   f"hf_copy for now, not {self.engine}")
+            if self.async_:
+                raise check_failed("multi-turn episodes do not run with rollout.async yet")
+            if cfg.train.distributed in ("ddp", "fsdp2"):
+                raise check_failed("multi-turn episodes do not run under train.distributed yet")
+            if cfg.algorithm.rewrite.enabled:
+                raise check_failed("algorithm.rewrite is for single-turn completions, not multi-turn episodes")

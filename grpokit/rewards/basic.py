@@ -74,3 +74,14 @@ def digit_match(prompts, completions, *, answer_column: str = "answer", **column
         extra = max(0, len(got) - len(ref))
         out.append(max(0.0, (hits - extra) / len(ref)))
     return out
+
+
+@register("env", columns=[])
+def env_reward(prompts, completions, **columns) -> list[float | None]:
+    """A multi-turn episode's reward from its environment's own state (`reward()` at the episode's
+    end, grpokit.rollout.episodes); None (not scored) where the environment gave none or where the
+    rollout was not an episode."""
+    values = columns.get("env_reward") or [None] * len(completions)
+    if len(values) != len(completions):
+        raise ValueError(f"env: {len(values)} environment rewards for {len(completions)} completions")
+    return [None if v is None or not math.isfinite(float(v)) else float(v) for v in values]

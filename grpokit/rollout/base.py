@@ -40,6 +40,8 @@ class RolloutBatch:
     completions: list[str]               # [N] decoded text, special tokens removed
     resampled: int = 0                   # positions where over-confidence resampling fired
     weights_version: int | None = None   # the weights that sampled it, for engines that hold their own
+    action_mask: torch.Tensor | None = None  # [N, L] multi-turn: 1 on sampled tokens, 0 on observations (None: = completion_mask)
+    episodes: list[dict] | None = None   # [N] multi-turn: each episode's record (grpokit.rollout.episodes)
 
     @property
     def lengths(self) -> torch.Tensor:   # [N]

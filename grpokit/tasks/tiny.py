@@ -36,6 +36,32 @@ def build_char_tokenizer(chars: str = DEFAULT_CHARS):
     return fast
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_chat_tokenizer(chars: str = DEFAULT_CHARS, words: tuple[str, ...] = ()):
+    """A character tokenizer with ChatML turns: `<|im_start|>` and `<|im_end|>` (the end-of-turn
+    and EOS token) as special tokens and a ChatML chat template. `words`: extra multi-character
+    tokens that decoding produces but encoding never does (text splits into characters), to make
+    a decode -> encode round trip change the ids."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [PAD, "<|im_end|>", BOS, UNK, "<|im_start|>"]
+    uniq = list(dict.fromkeys(chars)) + [w for w in words if len(w) > 1]
+    vocab = {tok: i for i, tok in enumerate(specials + uniq)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, eos_token="<|im_end|>", bos_token=BOS, unk_token=UNK,
+        additional_special_tokens=["<|im_start|>"], clean_up_tokenization_spaces=False)
+    fast.padding_side = "left"
+    fast.chat_template = CHATML
+    return fast
+
+
 def build_tiny_model(tokenizer, *, arch: str = "qwen2", hidden: int = 128, layers: int = 4,
                      heads: int = 4, kv_heads: int | None = None, intermediate: int | None = None,
                      max_positions: int = 256, tie_embeddings: bool = True, seed: int = 0):

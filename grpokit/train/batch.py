@@ -2,8 +2,10 @@
 
 B completions, grouped: each row carries a uid, the dataset index of its prompt and its group id,
 so nothing derives a group from a row's position. Log-probs (sampler, old, reference) are padded
-tensors [B, T] sharing one completion mask; `loss_mask` is the mask the loss uses (transforms may
-zero rows of it). A batch is cut by whole groups (`slice_groups`), which is what data-parallel
+tensors [B, T] sharing one completion mask (`mask`: every token after the prompt); `action_mask`
+marks the tokens the policy sampled (all of them single-turn; a multi-turn episode's observations
+are 0), and `loss_mask`, the mask the loss and the KL use, starts as it (transforms may zero rows of
+it). A batch is cut by whole groups (`slice_groups`), which is what data-parallel
 ranks take: group statistics then stay within one rank.
 """
 
@@ -39,17 +41,21 @@ class Batch:
     ref_logp: torch.Tensor | None = None   # [B, T] reference log-probs
     is_weights: torch.Tensor | None = None  # [B, T] sampler/trainer importance weights
     rewrites: tuple[list[list[int]], list[list[int]]] | None = None   # (contexts, note targets)
+    action_mask: torch.Tensor | None = None  # [B, T] 1 on sampled tokens (defaults to `mask`)
+    episodes: list[dict] | None = None     # [B] multi-turn episode records (None: single-turn)
 
     def __post_init__(self):
+        if self.action_mask is None:
+            self.action_mask = self.mask.clone()
         if self.loss_mask is None:
-            self.loss_mask = self.mask.clone()
+            self.loss_mask = self.action_mask.clone()
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
 
     @property
-    def lengths(self) -> torch.Tensor:    # [B]
-        return self.mask.sum(-1)
+    def lengths(self) -> torch.Tensor:    # [B] tokens the policy sampled (a response's length)
+        return self.action_mask.sum(-1)
 
     @property
     def groups(self) -> list[int]:
@@ -79,12 +85,15 @@ def from_rollout(rb: RolloutBatch, prompt_index: list[int], rows: list[dict], gr
         rows=[r for r in rows for _ in range(G)],
         prompt_ids=list(rb.prompt_ids), completion_ids=rb.completion_ids, mask=rb.completion_mask,
         sampler_logp=rb.sampler_logprobs, finish_reason=list(rb.finish_reason),
-        completions=list(rb.completions), resampled=rb.resampled)
+        completions=list(rb.completions), resampled=rb.resampled, action_mask=rb.action_mask,
+        episodes=list(rb.episodes) if rb.episodes is not None else None)
 
 
 _PER_ROW_TENSORS = ("prompt_index", "group_id", "rewards", "advantages")
-_PER_TOKEN_TENSORS = ("completion_ids", "mask", "sampler_logp", "loss_mask", "old_logp", "ref_logp", "is_weights")
+_PER_TOKEN_TENSORS = ("completion_ids", "mask", "sampler_logp", "loss_mask", "old_logp", "ref_logp", "is_weights",
+                      "action_mask")
 _PER_ROW_LISTS = ("uid", "rows", "prompt_ids", "finish_reason", "completions")
+_OPTIONAL_ROW_LISTS = ("episodes",)
 
 
 def select(batch: Batch, rows: list[int]) -> Batch:
@@ -101,6 +110,9 @@ def select(batch: Batch, rows: list[int]) -> Batch:
     for f in _PER_ROW_LISTS:
         v = getattr(batch, f)
         out[f] = [v[r] for r in rows]
+    for f in _OPTIONAL_ROW_LISTS:
+        v = getattr(batch, f)
+        out[f] = None if v is None else [v[r] for r in rows]
     out["scores"] = {k: [v[r] for r in rows] for k, v in batch.scores.items()}
     out["rewrites"] = None                 # rewriting is per step, not per slice
     return replace(batch, **out)
@@ -142,6 +154,9 @@ def concat(batches: list[Batch], pad_id: int) -> Batch:
             [pad(v, pad_id if f == "completion_ids" else 0) for v in vs])
     for f in _PER_ROW_LISTS:
         out[f] = [x for b in batches for x in getattr(b, f)]
+    for f in _OPTIONAL_ROW_LISTS:
+        vs = [getattr(b, f) for b in batches]
+        out[f] = None if any(v is None for v in vs) else [x for v in vs for x in v]
     out["scores"] = {k: [x for b in batches for x in b.scores[k]] for k in batches[0].scores}
     out["resampled"] = sum(b.resampled for b in batches)
     out["rewrites"] = None
@@ -153,7 +168,7 @@ def check(batch: Batch) -> None:
     B = len(batch)
     for f in fields(batch):
         v = getattr(batch, f.name)
-        if f.name in _PER_ROW_LISTS or f.name in _PER_ROW_TENSORS:
+        if f.name in _PER_ROW_LISTS or f.name in _PER_ROW_TENSORS or f.name in _OPTIONAL_ROW_LISTS:
             if v is not None and len(v) != B:
                 raise ValueError(f"batch.{f.name} has {len(v)} rows, the batch {B}")
         elif f.name in _PER_TOKEN_TENSORS and v is not None and tuple(v.shape) != tuple(batch.mask.shape):

@@ -10,6 +10,8 @@ the examples all build through it, so a run behaves the same whichever face star
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import logging
 from pathlib import Path
 
@@ -149,11 +151,12 @@ def _fresh_start_notes(cfg, rewards, dataset, encoder):
 
 # ---------------------------------------------------------------------- the run
 def build_run(cfg, *, model=None, tokenizer=None, dataset=None, eval_dataset=None, worker=None, engine=None,
-              health: bool = True, report: bool = True):
+              env=None, health: bool = True, report: bool = True):
     """A ready `Trainer` for `cfg`. `model` / `tokenizer`: already loaded ones instead of
     `model.path`'s; `dataset` / `eval_dataset`: `PromptDataset`s (grpokit.data.datasets) instead of
     `data.path` / `data.eval_path`'s; `worker`: a built training worker (its model and reference are
-    the run's); `engine`: a rollout engine instead of `rollout.engine`'s. `health`: run the health
+    the run's); `engine`: a rollout engine instead of `rollout.engine`'s; `env`: an `EnvSpec`
+    (grpokit.rollout.episodes) instead of `rollout.env` / `rollout.tools`'s. `health`: run the health
     monitor (on the main rank); `report`: write RUN_DIR/report.html when `train` ends."""
     from grpokit.monitor.sinks import check_sinks
 
@@ -169,7 +172,7 @@ def build_run(cfg, *, model=None, tokenizer=None, dataset=None, eval_dataset=Non
     try:
         if cfg.train.keep_best and comm.mode != "none":     # best/ is a plain model directory
             raise ConfigError("train.keep_best runs in one process only")
-        return _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, health, report,
+        return _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, env, health, report,
                          close=given is None)
     except BaseException:
         if given is None:
@@ -177,7 +180,7 @@ def build_run(cfg, *, model=None, tokenizer=None, dataset=None, eval_dataset=Non
         raise
 
 
-def _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, health, report, close=True):
+def _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, env, health, report, close=True):
     from grpokit.data.curriculum import Curriculum
     from grpokit.data.datasets import PromptSampler
     from grpokit.rollout.registry import build_engine
@@ -217,12 +220,16 @@ def _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, hea
         dynamic = DynamicSampling(cfg.rewards[0].name if r.dynamic_sampling_on == "pass" else None,
                                   cfg.algorithm.pass_threshold)
     rewards = build_rewards(cfg)
+    if cfg.rollout.episodes and comm.mode != "none":
+        raise ConfigError("multi-turn episodes (rollout.env / rollout.tools) do not run data-parallel yet: train "
+                          "them in one process")
     collector = Collector(
         engine=engine, encoder=encoder, rewards=rewards, dataset=dataset, comm=comm, gen=gen,
         sampler=PromptSampler(len(dataset), seed=cfg.train.seed, shuffle=cfg.data.shuffle),
         params=sampling_params(cfg), prompts_per_step=cfg.prompts_per_step, seed=cfg.train.seed,
         max_rounds=r.max_sampling_rounds, dynamic=dynamic, curriculum=curriculum, pool_factor=cur.pool_factor,
-        pad_id=tokenizer.pad_token_id, async_=r.async_, steps=cfg.train.steps)
+        pad_id=tokenizer.pad_token_id, async_=r.async_, steps=cfg.train.steps,
+        episodes=build_episodes(cfg, engine, tokenizer, env))
     run = RunDir(cfg, comm)
     probe = ReferenceProbe(cfg.guard) if worker.reference is not None and cfg.guard.ref_check_every else None
     step = Step(settings=step_settings(cfg), collector=collector, worker=worker,
@@ -237,9 +244,31 @@ def _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, hea
 
 
 # ---------------------------------------------------------------------- evaluation
-def build_eval(cfg, model_path: str):
-    """(engine, encoder, rewards, dataset) for scoring `model_path` on `data.path` (`grpokit eval`):
-    the prompts and their columns checked before the model loads, the prompts against its context."""
+def build_episodes(cfg, engine, tokenizer, spec=None):
+    """The multi-turn episode runner over `engine` (`spec`, else `rollout.env` / `rollout.tools`), or None."""
+    r = cfg.rollout
+    if not r.episodes and spec is None:
+        return None
+    from grpokit.rollout.episodes import EnvSpec, EpisodeRunner, EpisodeSettings
+
+    a = r.agent
+    return EpisodeRunner(engine, tokenizer, spec or EnvSpec.from_config(r.env, r.tools),
+                         EpisodeSettings(max_turns=a.max_turns, max_observation_tokens=a.max_observation_tokens,
+                                         tool_timeout_s=a.tool_timeout_s, tool_workers=a.tool_workers))
+
+
+class EvalParts(NamedTuple):
+    engine: object
+    encoder: object
+    rewards: object
+    dataset: object
+    episodes: object          # the multi-turn runner, or None
+
+
+def build_eval(cfg, model_path: str) -> EvalParts:
+    """What scoring `model_path` on `data.path` takes (`grpokit eval`): the prompts and their columns
+    checked before the model loads, the prompts against its context; with `rollout.env` /
+    `rollout.tools`, the episode runner (the same loop evaluates)."""
     from grpokit.data.datasets import PromptDataset
     from grpokit.rollout.registry import build_engine
     from grpokit.models import load_model, load_tokenizer
@@ -251,4 +280,4 @@ def build_eval(cfg, model_path: str):
     encoder = PromptEncoder(tok, cfg.data.chat_template)
     check_prompts(encoder, ds.rows, ds.source, max_new_tokens=cfg.rollout.max_new_tokens, positions=max_positions(model))
     engine = build_engine(cfg.rollout.engine, model, tok, rollout=cfg.rollout)
-    return engine, encoder, build_rewards(cfg), PromptDataset(ds.rows)
+    return EvalParts(engine, encoder, build_rewards(cfg), PromptDataset(ds.rows), build_episodes(cfg, engine, tok))

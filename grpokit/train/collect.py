@@ -17,6 +17,7 @@ import torch
 from grpokit.data.curriculum import Curriculum
 from grpokit.data.datasets import PromptSampler
 from grpokit.rollout.base import PromptStreams, RolloutBatch, SamplingParams
+from grpokit.rollout.episodes.runner import episode_columns, episode_metrics
 from grpokit.train import batch as batch_lib
 from grpokit.train.batch import Batch
 from grpokit.train.comm import Comm
@@ -36,8 +37,10 @@ class Collector:
     def __init__(self, *, engine, encoder: PromptEncoder, rewards, dataset, sampler: PromptSampler, comm: Comm,
                  gen: torch.Generator, params: SamplingParams, prompts_per_step: int, seed: int,
                  max_rounds: int = 1, dynamic: DynamicSampling | None = None, curriculum: Curriculum | None = None,
-                 pool_factor: int = 1, pad_id: int = 0, async_: bool = False, steps: int = 0):
+                 pool_factor: int = 1, pad_id: int = 0, async_: bool = False, steps: int = 0, episodes=None):
+        """`episodes`: a grpokit.rollout.episodes.EpisodeRunner over `engine` (multi-turn rollouts)."""
         self.engine, self.encoder, self.rewards, self.dataset = engine, encoder, rewards, dataset
+        self.episodes = episodes
         self.sampler, self.comm, self.gen, self.params = sampler, comm, gen, params
         self.P, self.seed, self.dynamic, self.curriculum = prompts_per_step, seed, dynamic, curriculum
         self.rounds = max_rounds if dynamic is not None else 1
@@ -51,6 +54,8 @@ class Collector:
 
     def sample(self, rows: list[dict], streams: PromptStreams | None = None) -> RolloutBatch:
         """Completions of `rows` from the run's generator, or one stream per prompt."""
+        if self.episodes is not None:
+            return self.episodes.run(rows, self.params, self.gen)
         return self.engine.generate([self.encoder.encode(row["prompt"]) for row in rows], self.params,
                                     self.gen if streams is None else streams)
 
@@ -60,7 +65,11 @@ class Collector:
         columns = {k: [row.get(k) for row in batch.rows] for k in keys}
         columns.update(completion_length=batch.lengths.tolist(), finish_reason=list(batch.finish_reason),
                        group_id=batch.group_id.tolist(), max_new_tokens=[self.params.max_new_tokens] * len(batch))
-        out = self.rewards.score([self.encoder.text(row["prompt"]) for row in batch.rows], batch.completions, columns)
+        prompts, completions = [self.encoder.text(row["prompt"]) for row in batch.rows], batch.completions
+        if batch.episodes is not None:
+            prompts, completions = episode_columns(self.episodes, batch.prompt_ids, batch.completions,
+                                                   batch.episodes, columns)
+        out = self.rewards.score(prompts, completions, columns)
         batch.rewards = rewards_tensor(out.total)
         batch.scores = {k: list(v) for k, v in out.per_fn.items()}
         batch.reward_metrics = {k: float(v) for k, v in out.metrics.items()}
@@ -119,6 +128,8 @@ class Collector:
                    "dynamic/kept_groups": float(n_kept if self.dynamic is not None else P), **staleness}
         batch = batch_lib.concat(kept or [fresh], self.pad_id)
         metrics.update(batch_lib.merged_reward_metrics(kept or [fresh]))
+        if batch.episodes is not None:
+            metrics.update(episode_metrics(batch.episodes, int(batch.action_mask.sum()), int(batch.mask.sum())))
         return batch, metrics
 
     def staleness(self, rb: RolloutBatch, step: int) -> dict[str, float]:

@@ -8,6 +8,7 @@ import math
 import torch
 
 from grpokit.rollout.base import NonFiniteLogits, SamplingParams
+from grpokit.rollout.episodes.runner import episode_columns
 
 log = logging.getLogger("grpokit.train")
 
@@ -18,10 +19,11 @@ def _passes(values: list, threshold: float) -> list[bool]:
 
 @torch.no_grad()
 def evaluate(engine, encoder, reward_set, dataset, cfg, *, samples: int = 0, generator=None,
-             batch_prompts: int = 64) -> dict:
+             batch_prompts: int = 64, episodes=None) -> dict:
     """`eval/pass@1`: fraction of prompts whose greedy completion scores >= `algorithm.pass_threshold`
     on the first reward function; `eval/mean@k`: mean fraction over k sampled completions at the
-    run's temperature.
+    run's temperature. `episodes`: a multi-turn runner (grpokit.rollout.episodes) over `engine`,
+    whose whole episodes are scored as in training.
     """
     threshold = cfg.algorithm.pass_threshold
     rows = dataset.rows[: cfg.data.eval_size or None]
@@ -33,30 +35,35 @@ def evaluate(engine, encoder, reward_set, dataset, cfg, *, samples: int = 0, gen
         hits: list[bool] = []
         for s in range(0, len(rows), batch_prompts):
             chunk = rows[s:s + batch_prompts]
-            ids = [encoder.encode(r["prompt"]) for r in chunk]
+            ids = [encoder.encode(r["prompt"]) for r in chunk] if episodes is None else None
             params = SamplingParams(n=k, max_new_tokens=cfg.rollout.max_new_tokens, temperature=temp,
                                     top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
-            batch = engine.generate(ids, params, generator)
+            batch = (episodes.run(chunk, params, generator) if episodes is not None
+                     else engine.generate(ids, params, generator))
             keys = sorted({c for r in chunk for c in r if c != "prompt"})
             cols = {c: [r.get(c) for r in chunk for _ in range(k)] for c in keys}
-            cols.update(completion_length=batch.lengths.tolist(), finish_reason=batch.finish_reason,
+            lengths = (batch.action_mask if batch.action_mask is not None else batch.completion_mask).sum(-1)
+            cols.update(completion_length=lengths.tolist(), finish_reason=batch.finish_reason,
                         group_id=[g for g in range(len(chunk)) for _ in range(k)],
                         max_new_tokens=[cfg.rollout.max_new_tokens] * len(batch))
-            prompts = [encoder.text(r["prompt"]) for r in chunk for _ in range(k)]
-            res = reward_set.score(prompts, batch.completions, cols)
+            prompts, completions = [encoder.text(r["prompt"]) for r in chunk for _ in range(k)], batch.completions
+            if batch.episodes is not None:
+                prompts, completions = episode_columns(episodes, batch.prompt_ids, completions, batch.episodes, cols)
+            res = reward_set.score(prompts, completions, cols)
             hits += _passes(res.per_fn[primary], threshold)
         name = "eval/pass@1" if temp == 0.0 else "eval/mean@k"
         out[name] = sum(hits) / max(len(hits), 1)
     return out
 
 
-def held_out(engine, encoder, reward_set, dataset, cfg, *, seed: int, step: int, device="cpu") -> dict:
+def held_out(engine, encoder, reward_set, dataset, cfg, *, seed: int, step: int, device="cpu", episodes=None) -> dict:
     """`evaluate` on its own random stream (evaluation never shifts training's); {} when the
     rollout met non-finite logits (the guard's business, not a reason to stop the run)."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     try:
-        return evaluate(engine, encoder, reward_set, dataset, cfg, samples=cfg.train.eval_samples, generator=gen)
+        return evaluate(engine, encoder, reward_set, dataset, cfg, samples=cfg.train.eval_samples, generator=gen,
+                        episodes=episodes)
     except NonFiniteLogits as exc:
         log.warning("step %d: evaluation skipped: %s", step, exc)
         return {}

@@ -155,7 +155,7 @@ class Trainer:
             return {}
         out = held_out(self.engine, self.encoder, self.rewards, self.eval_dataset, self.cfg,
                        seed=self.cfg.train.seed * 1_000_003 + self.step_idx, step=self.step_idx,
-                       device=self.gen.device)
+                       device=self.gen.device, episodes=self.collector.episodes)
         if self.cfg.train.keep_best:
             self.consider_best(out.get("eval/pass@1"))
         return out

@@ -102,9 +102,9 @@ class Step:
         kl_in_reward = None
         if s.kl_in_reward and batch.ref_logp is not None:               # r <- r - beta * sum_t k1
             batch.old_logp = self.worker.logprobs(batch, "policy")
-            kl_seq = kl_lib.kl_in_reward(batch.old_logp, batch.ref_logp, batch.mask).to(torch.float64)
+            kl_seq = kl_lib.kl_in_reward(batch.old_logp, batch.ref_logp, batch.action_mask).to(torch.float64)
             batch.rewards = batch.rewards - beta * kl_seq
-            kl_in_reward = {"kl/ref": float(kl_seq.sum()) / max(1, int(batch.mask.sum())),   # token mean of k1
+            kl_in_reward = {"kl/ref": float(kl_seq.sum()) / max(1, int(batch.action_mask.sum())),   # token mean of k1
                             "kl/ref_seq": float(kl_seq.mean())}
         m.update(self.old_logprobs(batch))
         m["time/logprobs"] = time.perf_counter() - t
@@ -148,7 +148,7 @@ class Step:
             if batch.old_logp is None:
                 batch.old_logp = self.worker.logprobs(batch, "policy")
             w, st = loss_lib.truncated_is_weights(batch.old_logp.float(), batch.sampler_logp.float(),
-                                                 batch.mask, cap=s.is_cap)
+                                                 batch.action_mask, cap=s.is_cap)
             if s.is_correction:
                 batch.is_weights = w
             return {f"rollout/{k}": v for k, v in st.items()}

@@ -1,0 +1,280 @@
+"""Multi-turn episodes on any rollout engine: the policy writes a turn, the environment answers,
+until the policy answers without a tool call, or a limit ends it.
+
+Turns are batched: every live episode's next turn is generated in one engine call (the first turn
+of a prompt's G episodes shares its prompt, `n=G`), then the turns' tool calls all run at once in a
+bounded pool (grpokit.rollout.episodes.env.ToolPool), then the next turn. Each episode records:
+
+- its ids after the prompt: assistant turns exactly as sampled (with their sampler log-probs) and
+  observations as template deltas (grpokit.rollout.episodes.chat), with `action_mask` 1 on the
+  first and 0 on the second: observations never enter the loss, the KL or the token counts;
+- why it stopped: `stop` (a turn without a tool call), `length` (the token budget, all turns and
+  observations together, is `rollout.max_new_tokens`; each turn may use what remains), `max_turns`,
+  `tool_error` / `timeout` (a text-form environment's `step` raised or ran out of time; a failing
+  *tool* is an error observation and the episode goes on);
+- its conversation, tool calls, tool errors and parse failures, the observation tokens, and the
+  environment itself (its `reward()` is taken at the end).
+
+The engine is neutral: anything with `generate(prompt_ids, params, generator)` (grpokit.rollout.base).
+Each turn re-reads the whole episode (prompt + turns so far) as its prompt; the in-process engines
+prefill it again.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from grpokit.errors import ConfigError
+from grpokit.rollout.base import RolloutBatch, SamplingParams
+from grpokit.rollout.episodes.chat import ChatTokens, NotPrefixPreserving
+from grpokit.rollout.episodes.env import EnvSpec, ToolPool
+from grpokit.rollout.episodes.parse import parse_tool_calls
+
+log = logging.getLogger("grpokit.rollout")
+
+STOP_REASONS = ("stop", "length", "max_turns", "tool_error", "timeout")
+
+
+@dataclass
+class EpisodeSettings:
+    max_turns: int = 8
+    """Assistant turns per episode."""
+    max_observation_tokens: int = 256
+    """An observation longer than this is cut in the middle (its start and end kept)."""
+    tool_timeout_s: float = 10.0
+    tool_workers: int = 4
+
+
+@dataclass
+class Episode:
+    row: dict
+    env: Any
+    messages: list[dict]
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)
+    action: list[int] = field(default_factory=list)
+    logp: list[float] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    parse_failures: int = 0
+    obs_tokens: int = 0
+    stop_reason: str | None = None
+    final: str = ""
+
+    def append(self, ids: list[int], logp: list[float] | None) -> None:
+        self.ids += ids
+        self.action += [1 if logp is not None else 0] * len(ids)
+        self.logp += logp if logp is not None else [0.0] * len(ids)
+        if logp is None:
+            self.obs_tokens += len(ids)
+
+    def record(self) -> dict:
+        return {"stop_reason": self.stop_reason, "turns": self.turns, "tool_calls": self.tool_calls,
+                "tool_errors": self.tool_errors, "parse_failures": self.parse_failures,
+                "obs_tokens": self.obs_tokens, "messages": self.messages, "final": self.final, "env": self.env}
+
+
+class EpisodeRunner:
+    """Runs one episode per (row, sample) with `engine`; `run` returns them as a RolloutBatch."""
+
+    def __init__(self, engine, tokenizer, spec: EnvSpec, settings: EpisodeSettings | None = None):
+        self.engine, self.tok, self.spec = engine, tokenizer, spec
+        self.settings = settings or EpisodeSettings()
+        self.eos_ids = list(getattr(engine, "eos_ids", None) or [tokenizer.eos_token_id])
+        self.chat = ChatTokens(tokenizer, spec.schemas, self.eos_ids)
+        if not self.chat.prefix_preserving():
+            raise ConfigError("the tokenizer's chat template rewrites earlier turns when a turn is appended (not "
+                              "prefix-preserving), so an episode's tokens could not be kept as sampled; use a "
+                              "template that only appends (set one with tokenizer.chat_template)")
+        self.pool = ToolPool(self.settings.tool_workers, self.settings.tool_timeout_s)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    # ------------------------------------------------------------------------------ start
+    def _start(self, row: dict) -> Episode:
+        env = self.spec.build()
+        try:
+            first = env.reset(**row)
+        except Exception as exc:  # noqa: BLE001 - a row the environment cannot start from
+            raise ConfigError(f"rollout.env {type(env).__name__}.reset failed on a row ({type(exc).__name__}: "
+                              f"{exc}); row keys: {sorted(row)}") from None
+        prompt = row["prompt"] if first is None else first
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        return Episode(row=row, env=env, messages=messages, prompt_ids=self.chat.prompt_ids(messages))
+
+    # ------------------------------------------------------------------------------ the loop
+    def run(self, rows: list[dict], params: SamplingParams, generator=None) -> RolloutBatch:
+        """`params.n` episodes per row (group after group); `params.max_new_tokens` is each episode's
+        budget over all its turns and observations."""
+        G, budget = params.n, params.max_new_tokens
+        self._budget = budget
+        eps = [self._start(row) for row in rows for _ in range(G)]
+        turn = 0
+        while True:
+            live = [e for e in eps if e.stop_reason is None]
+            if not live:
+                break
+            room = max(budget - len(e.ids) for e in live)
+            one = replace(params, n=1, max_new_tokens=room)
+            shared = turn == 0 and all(eps[i * G].prompt_ids == eps[i * G + k].prompt_ids
+                                       for i in range(len(rows)) for k in range(G))
+            if shared:
+                out = self.engine.generate([eps[i * G].prompt_ids for i in range(len(rows))],
+                                           replace(one, n=G), generator)
+            else:
+                out = self.engine.generate([e.prompt_ids + e.ids for e in live], one, generator)
+            lengths = out.completion_mask.sum(-1).tolist()
+            for k, e in enumerate(live):
+                n = min(int(lengths[k]), budget - len(e.ids))
+                ids = out.completion_ids[k, :n].tolist()
+                e.append(ids, out.sampler_logprobs[k, :n].tolist())
+                e.turns += 1
+                e.final = self.tok.decode(ids, skip_special_tokens=True)
+                e.messages.append({"role": "assistant", "content": e.final})
+                ended = bool(ids) and ids[-1] in self.eos_ids and (out.finish_reason[k] == "eos")
+                if not ended:
+                    e.stop_reason = "length"
+            self._observe([e for e in live if e.stop_reason is None])
+            turn += 1
+        return self._batch(eps)
+
+    def _observe(self, eps: list[Episode]) -> None:
+        """Each episode's observation for its last turn (tools run at once in the pool), appended,
+        or its stop reason."""
+        s = self.settings
+        pending = []
+        for e in eps:
+            if self.spec.text_form:
+                pending.append((e, [("step", self.pool.submit(e.env.step, e.final))]))
+                continue
+            parsed = parse_tool_calls(e.final)
+            if not parsed.has_call:
+                e.stop_reason = "stop"
+                continue
+            if parsed.error is not None:
+                e.parse_failures += 1
+                pending.append((e, [("parse", f"Could not read the tool call: {parsed.error}.")]))
+                continue
+            tools = EnvSpec.tools(e.env)
+            futs = []
+            for call in parsed.calls:
+                e.tool_calls += 1
+                fn = tools.get(call.name)
+                if fn is None:
+                    futs.append((call.name, f"There is no tool {call.name!r} (tools: {', '.join(sorted(tools))})."))
+                    e.tool_errors += 1
+                else:
+                    futs.append((call.name, self.pool.submit(fn, **call.arguments)))
+            pending.append((e, futs))
+        for e, futs in pending:
+            msgs = []
+            for name, fut in futs:
+                if isinstance(fut, str):
+                    msgs.append(self.chat.observation(fut, None if name == "parse" else name))
+                    continue
+                value, err = self.pool.result(fut, "the environment" if name == "step" else f"tool {name}")
+                if name == "step":
+                    if err is not None:
+                        e.stop_reason = "timeout" if err == "timeout" else "tool_error"
+                        log.debug("episode stopped: %s", value)
+                    elif value is None:
+                        e.stop_reason = "stop"
+                    else:
+                        msgs.append({"role": "user", "content": self._cut(str(value))})
+                    continue
+                if err is not None:
+                    e.tool_errors += 1
+                msgs.append(self.chat.observation(self._cut(str(value)), name))
+            if e.stop_reason is not None:
+                continue
+            if e.turns >= s.max_turns:
+                e.stop_reason = "max_turns"
+                continue
+            try:
+                delta = self.chat.observation_ids(e.messages, msgs, e.ids[-1] if e.ids else None)
+            except NotPrefixPreserving as exc:
+                raise ConfigError(f"multi-turn episode: {exc}") from None
+            if len(e.ids) + len(delta) >= self._budget:   # no room left for a turn
+                e.stop_reason = "length"
+                continue
+            e.append(delta, None)
+            e.messages += msgs
+
+    def _cut(self, text: str) -> str:
+        """An observation cut in the middle to `max_observation_tokens` tokens."""
+        cap = self.settings.max_observation_tokens
+        ids = self.chat.encode(text)
+        if len(ids) <= cap:
+            return text
+        half = cap // 2
+        return (self.tok.decode(ids[:half]) + f" [... {len(ids) - 2 * half} tokens cut ...] "
+                + self.tok.decode(ids[len(ids) - half:]))
+
+    # ------------------------------------------------------------------------------ the batch
+    def _batch(self, eps: list[Episode]) -> RolloutBatch:
+        N, L = len(eps), max(max(len(e.ids) for e in eps), 1)
+        ids = torch.full((N, L), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((N, L), dtype=torch.long)
+        action = torch.zeros((N, L), dtype=torch.long)
+        logp = torch.zeros((N, L), dtype=torch.float32)
+        for i, e in enumerate(eps):
+            n = len(e.ids)
+            ids[i, :n] = torch.tensor(e.ids, dtype=torch.long)
+            mask[i, :n] = 1
+            action[i, :n] = torch.tensor(e.action, dtype=torch.long)
+            logp[i, :n] = torch.tensor(e.logp, dtype=torch.float32)
+            if e.stop_reason is None:                 # cannot happen: every loop iteration ends some
+                e.stop_reason = "length"
+        records = [e.record() for e in eps]
+        for e, r in zip(eps, records):
+            r["env_reward"] = self._env_reward(e) if self.spec.has_reward else None
+        return RolloutBatch(
+            prompt_ids=[e.prompt_ids for e in eps], completion_ids=ids, completion_mask=mask,
+            sampler_logprobs=logp, finish_reason=["eos" if e.stop_reason == "stop" else "length" for e in eps],
+            completions=[self.tok.decode(e.ids, skip_special_tokens=False) for e in eps],
+            action_mask=action, episodes=records)
+
+    def _env_reward(self, e: Episode) -> float | None:
+        value, err = self.pool.result(self.pool.submit(e.env.reward), "the environment's reward()")
+        if err is not None:
+            log.warning("%s", value)
+            return None
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            log.warning("the environment's reward() returned %r, not a number", value)
+            return None
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def episode_metrics(records: list[dict], action_tokens: int, all_tokens: int) -> dict[str, float]:
+    """`agent/*` metrics of a batch of episode records."""
+    n = max(len(records), 1)
+    out = {"agent/turns_mean": sum(r["turns"] for r in records) / n,
+           "agent/tool_calls": float(sum(r["tool_calls"] for r in records)),
+           "agent/tool_errors": float(sum(r["tool_errors"] for r in records)),
+           "agent/parse_failures": float(sum(r["parse_failures"] for r in records)),
+           "agent/obs_token_frac": (all_tokens - action_tokens) / max(all_tokens, 1)}
+    for reason in STOP_REASONS:
+        out[f"agent/stop_{reason}"] = sum(r["stop_reason"] == reason for r in records) / n
+    return out
+
+
+def episode_columns(runner: EpisodeRunner, prompt_ids: list[list[int]], texts: list[str], records: list[dict],
+                    columns: dict) -> tuple[list[str], list[str]]:
+    """(prompts, completions) for the reward functions of a batch of episodes, and their columns:
+    the completion a reward scores is the episode's final assistant turn; `columns` gains `episode`
+    (the whole text after the prompt), `messages`, `env`, `env_reward`, `stop_reason`, `turns`,
+    `tool_calls` and `tool_errors`."""
+    columns.update(episode=list(texts), messages=[r["messages"] for r in records], env=[r["env"] for r in records],
+                   env_reward=[r.get("env_reward") for r in records], stop_reason=[r["stop_reason"] for r in records],
+                   turns=[r["turns"] for r in records], tool_calls=[r["tool_calls"] for r in records],
+                   tool_errors=[r["tool_errors"] for r in records])
+    prompts = [runner.tok.decode(p, skip_special_tokens=False) for p in prompt_ids]
+    return prompts, [r["final"] for r in records]

@@ -1,0 +1,143 @@
+"""Multi-turn episodes in training: observation tokens out of the loss and the KL, one advantage
+per episode, the same episodes on `hf` and `hf_copy`, resume mid-run, evaluation, config checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from grpokit import cli
+from grpokit.config import load_config
+from grpokit.errors import ConfigError
+from grpokit.rollout.episodes import EnvSpec
+from grpokit.tasks.tiny import build_chat_tokenizer, build_tiny_model, save_pretrained
+from grpokit.train import build_run
+from tests.fixtures import small_overrides
+from tests.rollout.agent_envs import AgainEnv, CalcEnv
+from tests.rollout.test_episodes import CHARS, ScriptedEngine, call, said
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("episodes")
+    tok = build_chat_tokenizer(CHARS)
+    model_dir = save_pretrained(build_tiny_model(tok, hidden=32, layers=2, heads=2, intermediate=64,
+                                                 max_positions=1024), tok, root / "model")
+    rows = [{"prompt": f"What is {a}*{b}?", "answer": a * b} for a, b in [(12, 3), (7, 8), (21, 4), (5, 9)]]
+    data = root / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root, model_dir, data, tok
+
+
+def overrides(setup, name, **extra):
+    root, model_dir, data, _ = setup
+    return small_overrides(model_dir, data, root / name, **{
+        "rollout.group_size": 2, "rollout.batch_size": 4, "rollout.max_new_tokens": 60, "optim.micro_batch_size": 4,
+        "rewards": "[{name: test_text_length}]", "train.steps": 1, "algorithm.kl.beta": 0.1,
+        "algorithm.kl.controller": "fixed", **extra})
+
+
+def scripted_trainer(setup, name, **extra):
+    _, _, _, tok = setup
+    turns = {0: [said(tok, call("12*3")), said(tok, "36")], 1: [said(tok, "I think 36"), said(tok, "x")]}
+    engine = ScriptedEngine(tok, lambda t, k: turns[k][t])
+    torch.manual_seed(0)
+    extra = {"rollout.max_new_tokens": 300, **extra}
+    return build_run(load_config(None, overrides(setup, name, **extra)), engine=engine, env=EnvSpec(CalcEnv),
+                     health=False, report=False)
+
+
+def test_observation_tokens_never_reach_the_loss_or_the_kl(setup):
+    a, b = scripted_trainer(setup, "mask_a"), scripted_trainer(setup, "mask_b")
+    a.step()
+    batch = a.last_batch
+    obs = (batch.mask == 1) & (batch.action_mask == 0)
+    assert obs.any() and not (batch.loss_mask.bool() & obs).any()
+    assert torch.equal(batch.lengths, batch.action_mask.sum(-1))
+    assert batch.episodes[0]["tool_calls"] == 1 and batch.episodes[1]["tool_calls"] == 0
+    # the same update with anything at all in the observation positions: the same loss, KL and weights
+    wild = batch
+    for f in ("old_logp", "ref_logp", "sampler_logp"):
+        t = getattr(wild, f)
+        if t is not None:
+            setattr(wild, f, torch.where(obs, t + 3.0, t))
+    before = {n: p.detach().clone() for n, p in b.worker.model.named_parameters()}
+    mb = b.worker.train_step(wild, 0.1)
+    ref = scripted_trainer(setup, "mask_c")
+    clean = a.last_batch
+    for f in ("old_logp", "ref_logp", "sampler_logp"):
+        t = getattr(clean, f)
+        if t is not None:
+            setattr(clean, f, torch.where(obs, t - 3.0, t))
+    mc = ref.worker.train_step(clean, 0.1)
+    for k in ("loss/policy", "loss/kl", "kl/ref"):
+        assert mb[k] == pytest.approx(mc[k], rel=1e-6, abs=1e-9), k
+    for (n, p), (_, q) in zip(b.worker.model.named_parameters(), ref.worker.model.named_parameters()):
+        assert torch.allclose(p, q, atol=1e-7), n
+    assert any(not torch.equal(before[n], p) for n, p in b.worker.model.named_parameters())
+
+
+def test_one_advantage_per_episode_from_the_group_s_episode_rewards(setup):
+    tr = scripted_trainer(setup, "adv", **{"rewards": "[{name: env}, {name: test_text_length}]"})
+    tr.step()
+    batch = tr.last_batch
+    r, adv = batch.rewards.double(), batch.advantages.double()
+    for rows in batch.group_rows():
+        g = r[rows]
+        want = (g - g.mean()) / g.std() if g.std() > 0 else torch.zeros_like(g)
+        assert torch.allclose(adv[rows], want, atol=1e-6)
+
+
+def test_episodes_are_the_same_on_hf_and_hf_copy_and_train(setup):
+    runs = {}
+    for engine in ("hf", "hf_copy"):
+        torch.manual_seed(0)
+        cfg = load_config(None, overrides(setup, f"same_{engine}", **{
+            "rollout.engine": engine, "rollout.env": "tests.rollout.agent_envs:AgainEnv",
+            "rollout.agent.max_turns": 3, "rollout.max_new_tokens": 120, "train.steps": 2}))
+        tr = build_run(cfg, health=False, report=False)
+        m = tr.step()
+        runs[engine] = (tr.last_batch.completion_ids.clone(), tr.last_batch.action_mask.clone(), m)
+    (ia, ma, m), (ib, mb, _) = runs["hf"], runs["hf_copy"]
+    assert torch.equal(ia, ib) and torch.equal(ma, mb)
+    assert m["agent/turns_mean"] > 1 and 0 < m["agent/obs_token_frac"] < 1
+    assert m["agent/stop_max_turns"] + m["agent/stop_length"] + m["agent/stop_stop"] == pytest.approx(1.0)
+
+
+def test_a_resumed_run_continues_the_same_episodes(setup, tmp_path):
+    def cfg(name, steps):
+        return load_config(None, overrides(setup, name, **{
+            "rollout.env": "tests.rollout.agent_envs:AgainEnv", "rollout.agent.max_turns": 2,
+            "rollout.max_new_tokens": 80, "train.steps": steps, "train.save_every": 1}))
+    torch.manual_seed(0)
+    straight = build_run(cfg("straight", 2), health=False, report=False)
+    straight.train()
+    torch.manual_seed(0)
+    build_run(cfg("resumed", 1), health=False, report=False).train()
+    torch.manual_seed(0)
+    again = build_run(cfg("resumed", 2), health=False, report=False)
+    again.train(resume=True)
+    assert torch.equal(straight.last_batch.completion_ids, again.last_batch.completion_ids)
+    assert straight.last_batch.rewards.tolist() == again.last_batch.rewards.tolist()
+
+
+def test_evaluation_runs_the_episodes_too(setup, tmp_path, capsys):
+    root, model_dir, data, _ = setup
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text("rollout:\n  env: tests.rollout.agent_envs:CalcEnv\n  max_new_tokens: 40\n"
+                   "rewards:\n  - {name: test_text_length}\n")
+    assert cli.main(["eval", "--model", str(model_dir), "--data", str(data), "--config", str(cfg)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompts"] == 4 and 0.0 <= out["eval/pass@1"] <= 1.0
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"rollout.env": "tests.rollout.agent_envs:CalcEnv", "rollout.tools": "[tests.rollout.agent_envs:CalcEnv]"}, "not both"),
+    ({"rollout.env": "tests.rollout.agent_envs:CalcEnv", "rollout.engine": "server", "rollout.server": "h:1"}, "hf or hf_copy"),
+    ({"rollout.env": "tests.rollout.agent_envs:CalcEnv", "algorithm.rewrite.enabled": True}, "single-turn"),
+])
+def test_combinations_episodes_do_not_support_are_refused(setup, extra, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides(setup, "bad", **extra))
