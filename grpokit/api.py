@@ -78,10 +78,10 @@ class GRPO:
             set_key(data, ["data", "path"], os.fspath(dataset), "dataset")
         if isinstance(eval_dataset, (str, os.PathLike)):
             set_key(data, ["data", "eval_path"], os.fspath(eval_dataset), "eval_dataset")
-        spec = None
+        env_spec = None
         if env is not None or tools:
             from grpokit.rollout.episodes import EnvSpec
-            spec = EnvSpec(env, list(tools) if tools else None)
+            env_spec = EnvSpec(env, list(tools) if tools else None)
             if env is not None:
                 set_key(data, ["rollout", "env"], _where(env), "env")
             else:
@@ -109,7 +109,7 @@ class GRPO:
             from grpokit.train import build_run
 
             self.trainer = build_run(self.config, model=loaded, tokenizer=tokenizer, dataset=train_ds,
-                                     eval_dataset=eval_ds, env=spec)
+                                     eval_dataset=eval_ds, env=env_spec)
         self.reward_names = [s.name for s in self.config.rewards]
 
     # ------------------------------------------------------------------ running

@@ -114,6 +114,20 @@ def _breakdown(rewards: Any) -> str:
     return _e(rewards) if rewards is not None else ""
 
 
+def _episode_cell(spans: list[dict]) -> str:
+    """A multi-turn episode: the policy's turns as they are, observations (masked out of the loss)
+    marked."""
+    parts, used = [], 0
+    for sp in spans:
+        text = str(sp.get("text", ""))[:max(0, MAX_TEXT - used)]
+        used += len(text)
+        parts.append(_e(text) if sp.get("trained") else f"<span class=obs>{_e(text)}</span>")
+        if used >= MAX_TEXT:
+            parts.append('<span class="muted"> … (cut)</span>')
+            break
+    return f"<pre>{''.join(parts)}</pre>"
+
+
 def _samples_html(phases: Sequence[tuple[str, int, list[dict[str, Any]]]], n_files: int) -> str:
     if not phases:
         return "<p>No samples were recorded (no samples/*.jsonl).</p>"
@@ -127,7 +141,8 @@ def _samples_html(phases: Sequence[tuple[str, int, list[dict[str, Any]]]], n_fil
                 "<tr>"
                 f"<td>{_e(phase)}<br>step {_e(r.get('step', step))}</td>"
                 f"<td>{_text_cell(r.get('prompt'))}</td>"
-                f"<td>{_text_cell(r.get('completion'))}</td>"
+                f"<td>{_episode_cell(r['spans']) if r.get('spans') else _text_cell(r.get('completion'))}"
+                f"{_episode_note(r)}</td>"
                 f"<td>{_text_cell(r['answer']) if 'answer' in r else '<span class=muted>—</span>'}</td>"
                 f"<td>{_e(_fmt(r.get('reward')))}</td>"
                 f"<td>{_breakdown(r.get('rewards'))}</td>"
@@ -136,8 +151,19 @@ def _samples_html(phases: Sequence[tuple[str, int, list[dict[str, Any]]]], n_fil
                 f"<td{' class=warn' if finish == 'length' else ''}>{_e(_fmt(finish))}</td>"
                 "</tr>"
             )
+    episodes = any(r.get("spans") for _, _, rows in phases for r in rows)
+    legend = (" In multi-turn episodes, <span class=obs>shaded text</span> is an observation (a tool's or the "
+              "environment's answer): never trained on." if episodes else "")
     return (f"<p>{n_files} sample file(s); up to {SAMPLES_PER_PHASE} completions per phase, spread "
-            f"over the reward range.</p><table class=samples>{head}{''.join(body)}</table>")
+            f"over the reward range.{legend}</p><table class=samples>{head}{''.join(body)}</table>")
+
+
+def _episode_note(r: dict) -> str:
+    if "stop_reason" not in r:
+        return ""
+    return (f"<br><span class=muted>{_e(r.get('turns'))} turns, {_e(r.get('tool_calls'))} tool calls "
+            f"({_e(r.get('tool_errors'))} failed, {_e(r.get('parse_failures'))} unreadable); stopped: "
+            f"{_e(r.get('stop_reason'))}</span>")
 
 
 def _health_html(alarms: Sequence[Alarm], n_steps: int) -> str:
@@ -176,7 +202,7 @@ body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;mar
 h1{font-size:1.5em}h2{border-bottom:1px solid #ccc;padding-bottom:4px;margin-top:32px}h3{margin-bottom:4px}
 table{border-collapse:collapse;font-size:13px;margin:8px 0}td,th{border:1px solid #ddd;padding:4px 6px;vertical-align:top;text-align:left}
 th{background:#f3f3f3}pre{white-space:pre-wrap;word-break:break-word;margin:0;font-size:12px}
-table.samples td{max-width:380px}ul{margin:0;padding-left:16px}
+table.samples td{max-width:380px}.obs{background:#e8eef7;color:#345}ul{margin:0;padding-left:16px}
 .muted{color:#888}.warn{color:#b35900}.stop{color:#c00;font-weight:bold}
 .health{padding:8px 12px;border-radius:4px}.health li{margin:6px 0}.health.ok{background:#eaf7ea}.health.bad{background:#fff3e0}
 img{max-width:100%;display:block}pre.config{background:#f7f7f7;padding:8px;border:1px solid #ddd}

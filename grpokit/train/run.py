@@ -185,7 +185,7 @@ class Trainer:
 
     def write_samples(self) -> None:
         if self.last_batch is not None:  # None: the step's rollout was skipped by the guard
-            self.run.write_samples(self.step_idx, self.last_batch, self.encoder.text)
+            self.run.write_samples(self.step_idx, self.last_batch, self.encoder.text, self.tokenizer.decode)
 
     # ------------------------------------------------------------------ the loop
     def train(self, *, resume: bool = False, progress=None) -> dict:

@@ -150,8 +150,10 @@ class RunDir:
         with (self.path / "guard.jsonl").open("a") as f:
             f.write(json.dumps(row) + "\n")
 
-    def write_samples(self, step: int, batch: Batch, prompt_text) -> None:
-        """RUN_DIR/samples/step_N.jsonl: one row per completion of the step's batch (rank 0's)."""
+    def write_samples(self, step: int, batch: Batch, prompt_text, decode=None) -> None:
+        """RUN_DIR/samples/step_N.jsonl: one row per completion of the step's batch (rank 0's). A
+        multi-turn episode's row also holds `spans`, its text cut where the policy's turns and the
+        observations (never trained on) alternate, and its stop reason and tool counts."""
         if not self.writer:
             return
         d = self.path / "samples"
@@ -165,10 +167,28 @@ class RunDir:
                     "answer": row.get("answer"), "reward": float(batch.rewards[i]),
                     "rewards": {k: v[i] for k, v in batch.scores.items()},
                     "advantage": float(batch.advantages[i]), "length": int(batch.lengths[i]),
-                    "finish_reason": batch.finish_reason[i]}) + "\n")
+                    "finish_reason": batch.finish_reason[i], **_episode_fields(batch, i, decode)}) + "\n")
 
     def close(self) -> None:
         self.sink.close()
+
+
+def _episode_fields(batch: Batch, i: int, decode) -> dict:
+    """A multi-turn episode's spans ({"trained": bool, "text": ...}) and record, for a sample dump."""
+    if batch.episodes is None:
+        return {}
+    rec = batch.episodes[i]
+    out = {k: rec[k] for k in ("stop_reason", "turns", "tool_calls", "tool_errors", "parse_failures")}
+    if decode is not None:
+        n = int(batch.mask[i].sum())
+        ids, act = batch.completion_ids[i, :n].tolist(), batch.action_mask[i, :n].tolist()
+        spans, start = [], 0
+        for j in range(1, n + 1):
+            if j == n or act[j] != act[start]:
+                spans.append({"trained": bool(act[start]), "text": decode(ids[start:j])})
+                start = j
+        out["spans"] = spans
+    return out
 
 
 class _NoSink:

@@ -141,3 +141,18 @@ def test_evaluation_runs_the_episodes_too(setup, tmp_path, capsys):
 def test_combinations_episodes_do_not_support_are_refused(setup, extra, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, overrides(setup, "bad", **extra))
+
+
+def test_sample_dumps_and_the_report_show_whole_episodes_with_observations_marked(setup):
+    from grpokit.monitor.report import write_report
+    tr = scripted_trainer(setup, "dump", **{"train.sample_every": 1})
+    tr.train()
+    rows = [json.loads(line) for line in (tr.run.path / "samples" / "step_000001.jsonl").read_text().splitlines()]
+    first = rows[0]
+    assert first["stop_reason"] == "stop" and first["turns"] == 2 and first["tool_calls"] == 1
+    spans = first["spans"]
+    assert [s["trained"] for s in spans] == [True, False, True]
+    assert spans[0]["text"].startswith("<tool_call>") and "36" in spans[1]["text"] and spans[2]["text"] == "36<|im_end|>"
+    assert "".join(s["text"] for s in spans) == first["completion"]
+    html = write_report(tr.run.path).read_text()
+    assert "<span class=obs>" in html and "never trained on" in html and "stopped: stop" in html
