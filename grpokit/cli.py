@@ -207,7 +207,8 @@ def cmd_rollout_server(args) -> int:
     limits = ServerLimits(max_body_bytes=int(args.max_body_mb * 2**20), max_completions=args.max_completions,
                           max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                           max_batch_tokens=args.max_batch_tokens, max_in_flight=args.max_in_flight,
-                          max_connections=args.max_connections, io_timeout_s=args.io_timeout)
+                          max_connections=args.max_connections,
+                          max_connections_per_address=args.max_connections_per_address, io_timeout_s=args.io_timeout)
     serve(args.model, backend=args.backend, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
           api_key=args.api_key, insecure=args.insecure, limits=limits)
     return 0
@@ -336,6 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests served at once; more get 503 (default %(default)s)")
     lim.add_argument("--max-connections", type=int, default=d.max_connections,
                      help="open connections; more get 503 (default %(default)s)")
+    lim.add_argument("--max-connections-per-address", type=int, default=None,
+                     help="open connections from one client address (default: half of --max-connections)")
     lim.add_argument("--io-timeout", type=float, default=d.io_timeout_s,
                      help="seconds to receive a whole request or send an answer (default %(default)g)")
     rs.set_defaults(fn=cmd_rollout_server)

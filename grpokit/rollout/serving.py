@@ -65,6 +65,9 @@ class ServerLimits:
     """--max-in-flight: requests served at once; the next is answered 503 at once."""
     max_connections: int = 64
     """--max-connections: open connections; the next is answered 503 and closed."""
+    max_connections_per_address: int | None = None
+    """Open connections from one client address (None: half of `max_connections`), so that one
+    client, with or without the key, cannot take every slot."""
     io_timeout_s: float = 30.0
     """--io-timeout: seconds to receive a whole request, and to send an answer."""
 
@@ -73,6 +76,8 @@ class ServerLimits:
                      "max_in_flight", "max_connections"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rollout-server: {name} must be >= 1, got {getattr(self, name)}")
+        if self.max_connections_per_address is not None and self.max_connections_per_address < 1:
+            raise ConfigError("rollout-server: max_connections_per_address must be >= 1")
         if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
             raise ConfigError(f"rollout-server: max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
         if not self.io_timeout_s > 0:
@@ -118,13 +123,16 @@ def key_matches(header: str | None, api_key: str) -> bool:
 
 # ------------------------------------------------------------------------------- the watchdog
 class _Deadline:
-    __slots__ = ("sock", "at", "fired", "armed")
+    __slots__ = ("sock", "at", "fired", "armed", "lock")
 
-    def __init__(self, sock: socket.socket, at: float):
-        self.sock, self.at, self.fired, self.armed = sock, at, False, True
+    def __init__(self, sock: socket.socket, at: float, lock: threading.Lock):
+        self.sock, self.at, self.fired, self.armed, self.lock = sock, at, False, True, lock
 
-    def disarm(self) -> None:
-        self.armed = False
+    def disarm(self) -> bool:
+        """Stop the clock; False when it had fired already (the request is late, whatever was read)."""
+        with self.lock:
+            self.armed = False
+            return not self.fired
 
 
 class Watchdog:
@@ -142,7 +150,7 @@ class Watchdog:
         self._thread.start()
 
     def arm(self, sock: socket.socket, seconds: float) -> _Deadline:
-        d = _Deadline(sock, time.monotonic() + seconds)
+        d = _Deadline(sock, time.monotonic() + seconds, self._lock)
         with self._lock:
             self._deadlines.add(d)
         return d
@@ -165,16 +173,15 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stopped.wait(self.period_s):
             now = time.monotonic()
-            with self._lock:
+            with self._lock:                                   # fired and disarmed under one lock
                 self._deadlines = {d for d in self._deadlines if d.armed}
-                late = [d for d in self._deadlines if d.at <= now]
+                for d in [d for d in self._deadlines if d.at <= now]:
+                    d.fired, d.armed = True, False
+                    try:
+                        d.sock.shutdown(socket.SHUT_RD)
+                    except OSError:
+                        pass
                 watched = list(self._watched.values())
-            for d in late:
-                d.fired, d.armed = True, False
-                try:
-                    d.sock.shutdown(socket.SHUT_RD)
-                except OSError:
-                    pass
             for sock, ev in watched:
                 if not ev.is_set() and peer_closed(sock):
                     ev.set()
@@ -300,12 +307,12 @@ class Handler(BaseHTTPRequestHandler):
         except TimeoutError:
             data = b""
             self._deadline.fired = True
+        on_time = self._deadline.disarm()                      # received (or not): the answer may take long
+        if not on_time or (len(data) < n and self._deadline.at <= time.monotonic()):
+            raise RequestError(408, f"the request body was not received within {lim.io_timeout_s:g} s "
+                                    f"({len(data)} of {n} bytes)", "timeout")
         if len(data) < n:
-            if self._deadline.fired or self._deadline.at <= time.monotonic():
-                raise RequestError(408, f"the request body was not received within {lim.io_timeout_s:g} s "
-                                        f"({len(data)} of {n} bytes)", "timeout")
             raise RequestError(400, f"truncated body: {len(data)} of the {n} bytes announced")
-        self._deadline.disarm()                                # received: the answer may take long
         try:
             return json.loads(data or b"null", parse_constant=_no_constant)
         except (ValueError, RecursionError) as exc:             # JSONDecodeError, UnicodeDecodeError, depth
@@ -361,6 +368,7 @@ class RolloutHTTPServer(ThreadingHTTPServer):
         self.watchdog = Watchdog()
         self._lock = threading.Lock()
         self.connections = 0
+        self.by_address: dict[str, int] = {}
         self.counts = {"busy": 0, "refused_connections": 0}
         super().__init__(address, Handler)
 
@@ -369,15 +377,18 @@ class RolloutHTTPServer(ThreadingHTTPServer):
             self.counts[what] = self.counts.get(what, 0) + 1
 
     def process_request(self, request, client_address):
+        host = client_address[0] if isinstance(client_address, tuple) else str(client_address)
+        per = self.limits.max_connections_per_address or max(1, self.limits.max_connections // 2)
         with self._lock:
-            full = self.connections >= self.limits.max_connections
+            full = self.connections >= self.limits.max_connections or self.by_address.get(host, 0) >= per
             if full:
                 self.counts["refused_connections"] += 1
             else:
                 self.connections += 1
+                self.by_address[host] = self.by_address.get(host, 0) + 1
         if full:
-            body = json.dumps({"error": f"the server has {self.limits.max_connections} connections open already; "
-                                        "try again shortly", "kind": "busy"}).encode()
+            body = json.dumps({"error": "the server has as many connections open as it takes (from this address or "
+                                        "in all); try again shortly", "kind": "busy"}).encode()
             try:                                               # on the accepting thread: nothing that waits
                 request.settimeout(0.05)
                 request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
@@ -409,11 +420,15 @@ class RolloutHTTPServer(ThreadingHTTPServer):
         self.close_request(request)
 
     def process_request_thread(self, request, client_address):
+        host = client_address[0] if isinstance(client_address, tuple) else str(client_address)
         try:
             super().process_request_thread(request, client_address)
         finally:
             with self._lock:
                 self.connections -= 1
+                self.by_address[host] -= 1
+                if not self.by_address[host]:
+                    del self.by_address[host]
 
     def server_close(self) -> None:
         super().server_close()

@@ -11,13 +11,15 @@ broadcast follows it exactly, tensor by tensor.
 Who may be rank 0. The store's port is open to whoever can reach the machine (a TCPStore listens on
 every interface and lets any client list its keys, the group's id among them), so the group id is
 no secret. The server therefore also hands the trainer a per-group secret over its authenticated
-HTTP channel, and the first thing broadcast once the group forms is that secret: a member that
-cannot send it is refused before any tensor is accepted, and the group is closed.
+HTTP channel, and once the group forms each member proves it knows that secret without sending it
+(a challenge and response both ways, HMAC-SHA256): a stranger in either seat is refused before any
+tensor moves, and the group is closed.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import hmac
 import secrets
 import uuid
@@ -59,8 +61,8 @@ class GroupRefused(PermissionError):
 
 class WeightGroup:
     """Both ends of the two-member group. Building it blocks until the other member joins (or
-    `timeout_s` passes: RuntimeError), then the trainer proves `secret` and the server checks it
-    (GroupRefused, the group closed, when it differs)."""
+    `timeout_s` passes: RuntimeError), then each proves to the other that it knows `secret`
+    (GroupRefused, the group closed, when the other does not)."""
 
     def __init__(self, store: dist.Store, rank: int, backend: str, timeout_s: float, group_id: str, secret: str):
         self.rank, self.backend = rank, backend
@@ -78,19 +80,40 @@ class WeightGroup:
         self._handshake(bytes.fromhex(secret))
 
     def _handshake(self, secret: bytes) -> None:
+        """Each member proves it knows the secret without sending it: both send a random nonce,
+        then an HMAC of the other's nonce under the secret (with its own role in it), and check the
+        other's. A stranger in either seat learns nothing it could replay, and is refused before
+        any tensor moves (GroupRefused on the side that finds it out; the other side's next
+        collective then fails)."""
         if len(secret) != SECRET_BYTES:
             raise ValueError(f"a weight-group secret is {SECRET_BYTES} bytes, got {len(secret)}")
-        if self.rank == TRAINER:
-            self._broadcast(torch.frombuffer(bytearray(secret), dtype=torch.uint8))
-            return
-        got = torch.zeros(SECRET_BYTES, dtype=torch.uint8, device=self.device)
-        self._broadcast(got)
-        if not hmac.compare_digest(bytes(got.cpu().tolist()), secret):
-            self.close()
-            raise GroupRefused("the member that joined the weight group did not know its secret: refused")
+        mine = secrets.token_bytes(SECRET_BYTES)
+        nonces = {}
+        for root in (TRAINER, SERVER):
+            nonces[root] = self._exchange(mine if root == self.rank else None, root)
+        other = SERVER if self.rank == TRAINER else TRAINER
 
-    def _broadcast(self, t: torch.Tensor) -> None:
-        self.pg.broadcast([t], dist.BroadcastOptions()).wait()     # root rank 0: the trainer
+        def proof(role: int, nonce: bytes) -> bytes:
+            return hmac.new(secret, b"grpokit-weights/" + bytes([role]) + nonce, hashlib.sha256).digest()
+
+        proofs = {root: self._exchange(proof(self.rank, nonces[other]) if root == self.rank else None, root)
+                  for root in (TRAINER, SERVER)}                # both sent before either is checked
+        if not hmac.compare_digest(proofs[other], proof(other, nonces[self.rank])):
+            self.close()
+            who = "trainer" if other == TRAINER else "rollout server"
+            raise GroupRefused(f"the weight group's {who} did not prove the group's secret: refused")
+
+    def _exchange(self, data: bytes | None, root: int) -> bytes:
+        """32 bytes broadcast from `root` (`data` on the root, None elsewhere)."""
+        t = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data is not None
+             else torch.zeros(SECRET_BYTES, dtype=torch.uint8)).to(self.device)
+        self._broadcast(t, root)
+        return bytes(t.cpu().tolist())
+
+    def _broadcast(self, t: torch.Tensor, root: int = TRAINER) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        self.pg.broadcast([t], opts).wait()
 
     def send(self, tensors: list[torch.Tensor]) -> None:
         """The trainer's side: broadcast each tensor, in order."""

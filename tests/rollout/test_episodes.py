@@ -5,6 +5,7 @@ engine whose every token is known, and end to end on a tiny model."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -296,3 +297,56 @@ def test_a_text_environment_answers_each_turn_until_it_ends_the_episode(tok):
     assert e["stop_reason"] == "stop" and e["turns"] == 3
     assert [m["content"] for m in e["messages"] if m["role"] == "user"] == [
         "Guess my number between 0 and 9 (try x).", "higher", "lower"]
+
+
+ALTERNATING = ("{% for m in messages %}{% if m['role'] == 'tool' %}{% continue %}{% endif %}"
+               "{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+               "{{ raise_exception('roles must alternate') }}{% endif %}"
+               "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_without_a_tool_role_gets_one_user_message_per_turn(tok):
+    strict = build_chat_tokenizer(CHARS)
+    strict.chat_template = ALTERNATING.replace("{% continue %}", "{{ raise_exception('no tool role') }}")
+    dropping = build_chat_tokenizer(CHARS)          # renders no tool messages (and has a "y" in its text)
+    dropping.chat_template = "{# by you #}" + ALTERNATING
+    for t in (strict, dropping):
+        assert ChatTokens(t, EnvSpec(CalcEnv).schemas).tool_role == "user"
+    two = said(strict, call("2*3") + call("4*5"))
+    out, _, _ = run(strict, CalcEnv, lambda t, k: two if t == 0 else said(strict, "6 and 20"), n=1)
+    e = out.episodes[0]
+    assert e["stop_reason"] == "stop" and e["tool_calls"] == 2
+    user = e["messages"][2]
+    assert user["role"] == "user" and "6" in user["content"] and "20" in user["content"]
+    assert e["messages"][3]["role"] == "assistant"
+
+
+def test_tool_timeouts_do_not_add_up_and_a_hung_tool_does_not_hold_the_process(tok, tmp_path):
+    import subprocess
+    import sys
+
+    t0 = time.monotonic()
+    out, _, runner = run(tok, CalcEnv, lambda t, k: said(tok, call("slow")) if t == 0 else said(tok, "x"),
+                         rows=[{"prompt": f"q{i}", "answer": 1} for i in range(4)], n=2, tool_timeout_s=0.5,
+                         tool_workers=2)
+    assert time.monotonic() - t0 < 4.5                     # 8 slow calls, 2 workers: not 8 x 0.5 s one after another
+    assert all(e["tool_timeouts"] == 1 and e["stop_reason"] == "stop" for e in out.episodes)
+    script = ("import time; from grpokit.rollout.episodes import ToolPool\n"
+              "p = ToolPool(2, 0.2)\n"
+              "print(p.run([[('tool never', lambda: time.sleep(10**6))]]))\n")
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0 and "did not answer within 0.2 s" in done.stdout
+    assert time.monotonic() - t0 < 60
+
+
+def test_a_pool_whose_calls_hang_gives_their_slots_back():
+    from grpokit.rollout.episodes import ToolPool
+
+    pool = ToolPool(1, 0.2)
+    first = pool.run([[("tool hang", lambda: time.sleep(30))]])
+    assert first[0][0][1] == "timeout" and pool.hung == 1
+    again = pool.run([[("tool quick", lambda: "ok")]])      # runs although the hung call still holds its thread
+    assert again == [[("ok", None)]]

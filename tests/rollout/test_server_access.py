@@ -162,11 +162,11 @@ def test_a_stranger_cannot_join_the_weight_group_and_change_a_tensor(setup):
         t.start()
         service.joining.join(timeout=30)
         t.join(timeout=30)
-        assert service.group is None and "did not know its secret" in service.join_error
+        assert service.group is None and "did not prove the group's secret" in service.join_error
         # the weights did not move, and an announced update finds no group
         status, body, _ = request(address, "POST", "/update_weights", {
             "version": 1, "tensors": wire.describe(list(service.engine.model.state_dict().items()))}, key=KEY)
-        assert status == 409 and "did not know its secret" in body["error"]
+        assert status == 409 and "did not prove the group's secret" in body["error"]
         assert _state(service)[0] == before[0] and _state(service)[4] == before[4]
         # the real trainer then forms its own group and syncs
         engine = ServerEngine(address, load_tokenizer(model_dir), timeout_s=30, retries=1, api_key=KEY)
@@ -176,3 +176,27 @@ def test_a_stranger_cannot_join_the_weight_group_and_change_a_tensor(setup):
             assert service.version == 1 and engine.checksums() == {n: tensor_checksum(t) for n, t in named}
         finally:
             engine.close()
+
+
+def test_a_stranger_in_the_server_s_seat_gets_no_weights():
+    """The trainer joins a group whose other member does not know the secret: it is refused before
+    any tensor is sent, and the stranger's side sees only nonces and proofs."""
+    from grpokit.rollout.weight_sync import SERVER, GroupRefused, host_store, new_group_id
+
+    store, gid = host_store("127.0.0.1", 20), new_group_id()
+    seen = {}
+
+    def stranger():
+        try:
+            WeightGroup(store, SERVER, "gloo", 10, gid, new_secret())
+        except Exception as exc:  # noqa: BLE001 - refused or hung up on
+            seen["error"] = exc
+
+    t = threading.Thread(target=stranger, daemon=True)
+    t.start()
+    trainer_store = dist.TCPStore("127.0.0.1", store.port, world_size=2, is_master=False,
+                                  timeout=datetime.timedelta(seconds=20))
+    with pytest.raises(GroupRefused, match="rollout server did not prove"):
+        WeightGroup(trainer_store, TRAINER, "gloo", 10, gid, new_secret())
+    t.join(timeout=30)
+    assert isinstance(seen.get("error"), (GroupRefused, RuntimeError))

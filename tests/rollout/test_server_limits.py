@@ -116,7 +116,7 @@ def test_requests_past_the_in_flight_limit_get_503_at_once(setup):
 
 def test_connections_are_bounded_and_idle_or_slow_ones_closed_after_the_deadline(setup):
     _, model_dir, _, _ = setup
-    limits = ServerLimits(max_connections=3, io_timeout_s=1.0)
+    limits = ServerLimits(max_connections=3, max_connections_per_address=3, io_timeout_s=1.0)
     with served(model_dir, api_key=KEY, limits=limits) as (address, service, httpd):
         host, port = address.rsplit(":", 1)
         idle = [socket.create_connection((host, int(port)), timeout=30) for _ in range(3)]
@@ -174,7 +174,8 @@ def test_32_clients_x_20_requests_each_answered_exactly_once(setup, tmp_path):
         busy_seen = sum(b for *_, b in results)
         status, health, _ = request(srv.address, "GET", "/health", key=KEY)
         assert health["requests"]["generated"] == clients * per_client       # none lost, none generated twice
-        assert health["requests"]["busy"] == busy_seen > 0                     # every 503 reached its client
+        busy = health["requests"]["busy"] + health["requests"]["refused_connections"]
+        assert busy == busy_seen > 0                                           # every 503 reached its client
         for body, _, answer, _, _ in random.Random(0).sample(results, 16):    # answers belong to their requests
             status, again, _ = request(srv.address, "POST", "/generate", body, key=KEY)
             assert again["completion_ids"] == answer["completion_ids"] and again["logprobs"] == answer["logprobs"]
@@ -202,3 +203,20 @@ def test_a_server_process_reports_the_limits_it_enforces(setup, tmp_path):
         status, out, _ = request(srv.address, "POST", "/generate", body, key=KEY)
         assert status == 400 and "--max-new-tokens" in out["error"]
         assert request(srv.address, "GET", "/health", key=KEY)[1]["requests"]["generated"] == 0
+
+
+def test_one_address_cannot_take_every_connection(setup):
+    _, model_dir, _, _ = setup
+    limits = ServerLimits(max_connections=4, io_timeout_s=5.0)          # 2 per address
+    with served(model_dir, api_key=KEY, limits=limits) as (address, service, httpd):
+        host, port = address.rsplit(":", 1)
+        idle = [socket.create_connection((host, int(port)), timeout=30) for _ in range(2)]
+        try:
+            assert wait_for(lambda: httpd.connections == 2)
+            status, body = raw_request(address, b"GET /health HTTP/1.1\r\n\r\n")
+            assert status == 503 and httpd.counts["refused_connections"] == 1
+        finally:
+            for s in idle:
+                s.close()
+        assert wait_for(lambda: httpd.connections == 0, 15)
+        assert request(address, "GET", "/health", key=KEY)[0] == 200

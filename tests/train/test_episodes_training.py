@@ -15,7 +15,7 @@ from grpokit.rollout.episodes import EnvSpec
 from grpokit.tasks.tiny import build_chat_tokenizer, build_tiny_model, save_pretrained
 from grpokit.train import build_run
 from tests.fixtures import small_overrides
-from tests.rollout.agent_envs import AgainEnv, CalcEnv
+from tests.rollout.agent_envs import CalcEnv
 from tests.rollout.test_episodes import CHARS, ScriptedEngine, call, said
 
 
@@ -156,3 +156,14 @@ def test_sample_dumps_and_the_report_show_whole_episodes_with_observations_marke
     assert "".join(s["text"] for s in spans) == first["completion"]
     html = write_report(tr.run.path).read_text()
     assert "<span class=obs>" in html and "never trained on" in html and "stopped: stop" in html
+
+
+def test_the_kl_charged_to_the_reward_counts_only_the_policy_s_tokens(setup):
+    tr = scripted_trainer(setup, "kl_reward", **{"algorithm.kl.in_reward": True})
+    m = tr.step()
+    b = tr.last_batch
+    act = b.action_mask.bool()
+    k1 = (b.old_logp.double() - b.ref_logp.double()).clamp(-20, 20)
+    assert (b.mask.bool() & ~act).any()
+    assert m["kl/ref"] == pytest.approx(float(k1[act].sum()) / int(act.sum()), rel=1e-6, abs=1e-9)
+    assert torch.equal(b.lengths, act.sum(-1))

@@ -84,14 +84,31 @@ class ChatTokens:
         if not after.startswith(before):
             raise NotPrefixPreserving("the chat template rendered the earlier turns differently once an observation "
                                       "was appended")
-        tail = self.tails.get(end_id, "") if end_id is not None else ""
-        return self.encode(tail + after[len(before):])
+        text = (self.tails.get(end_id, "") if end_id is not None else "") + after[len(before):]
+        if end_id is not None:                       # a template that ends the last turn only once more follows
+            end = self.tok.decode([end_id])
+            if end and text.startswith(end):
+                text = text[len(end):]
+        missing = [m["content"] for m in new if m.get("content") and m["content"].strip() not in text]
+        if missing:
+            raise NotPrefixPreserving(f"the chat template dropped an observation ({missing[0][:60]!r}) from the "
+                                      "conversation")
+        return self.encode(text)
 
     def observation(self, content: str, name: str | None = None) -> dict:
         """A tool's answer as a message of the role the template accepts."""
         if self.tool_role == "tool":
             return {"role": "tool", "content": content, **({"name": name} if name else {})}
         return {"role": "user", "content": f"Tool result{f' ({name})' if name else ''}: {content}"}
+
+    def observations(self, results: list[tuple[str | None, str]]) -> list[dict]:
+        """The messages of one turn's (tool name, answer) pairs: one per call with a `tool` role,
+        else one user message holding them all (templates that want user and assistant to
+        alternate refuse two user turns in a row)."""
+        msgs = [self.observation(text, name) for name, text in results]
+        if self.tool_role == "tool" or len(msgs) < 2:
+            return msgs
+        return [{"role": "user", "content": "\n\n".join(m["content"] for m in msgs)}]
 
     # ------------------------------------------------------------------------------ checks
     def prefix_preserving(self) -> bool:
@@ -122,12 +139,12 @@ class ChatTokens:
 
     def _tool_role(self) -> str:
         probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"},
-                 {"role": "tool", "content": "y"}]
+                 {"role": "tool", "content": SENTINEL}]
         try:
             text = self.tok.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
         except Exception:  # noqa: BLE001 - the template refuses the role
             return "user"
-        return "tool" if "y" in text else "user"
+        return "tool" if SENTINEL in text else "user"
 
     def _assistant_suffix(self) -> str:
         """What the template writes after an assistant message's content (e.g. "<|im_end|>\\n")."""

@@ -34,8 +34,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+import threading
+import time
 from typing import Any, Callable
 
 from grpokit.errors import ConfigError
@@ -148,28 +148,64 @@ class EnvSpec:
 
 
 class ToolPool:
-    """Runs tool calls off the decoding thread, at most `workers` at once, each bounded by
-    `timeout_s`. A call that raises or runs out of time becomes an error observation (the thread of a
-    timed-out call runs on in the background: a tool that can hang should run its work in a process,
-    as the code sandbox does)."""
+    """Runs tool calls off the decoding thread. Each episode's calls of a turn are one job, run in
+    order on a thread of its own (an environment instance never runs two calls at once); at most
+    `workers` calls run at a time; a job's calls must all be done within `timeout_s` per call from
+    when the job was submitted, and a call not done by then is an error observation. Threads are
+    daemons: a tool that never returns cannot hold the process at exit. A thread cannot be killed,
+    so a hung call keeps running in the background (`hung` counts them, and their worker slots are
+    given back so the pool does not fill up); a tool that can hang or runs untrusted code should do
+    its work in a process, as the code sandbox does."""
 
     def __init__(self, workers: int, timeout_s: float):
-        self.timeout_s = timeout_s
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpokit-tool")
+        self.workers, self.timeout_s = workers, timeout_s
+        self.slots = threading.Semaphore(workers)
+        self.hung = 0
 
-    def submit(self, fn: Callable, *args, **kwargs) -> Future:
-        return self.pool.submit(fn, *args, **kwargs)
+    def run(self, jobs: list[list[tuple[str, Callable[[], Any]]]]) -> list[list[tuple[Any, str | None]]]:
+        """For each job (a list of (label, call) pairs), each call's (value, None) or (message,
+        "error" | "timeout")."""
+        boxes = [[None] * len(job) for job in jobs]
+        states = [{"holding": False, "abandoned": False, "lock": threading.Lock()} for _ in jobs]
+        threads, start = [], time.monotonic()
 
-    def result(self, fut: Future, what: str) -> tuple[Any, str | None]:
-        """(value, None), or (None, "error" | "timeout") with the error logged at debug level."""
-        try:
-            return fut.result(timeout=self.timeout_s), None
-        except FutureTimeout:
-            fut.cancel()
-            return f"{what} did not answer within {self.timeout_s:g} s", "timeout"
-        except Exception as exc:  # noqa: BLE001 - a failing tool is an observation, not a crash
-            log.debug("%s raised", what, exc_info=True)
-            return f"{what} failed: {type(exc).__name__}: {exc}", "error"
+        def work(job, box, st):
+            for k, (label, fn) in enumerate(job):
+                self.slots.acquire()
+                with st["lock"]:
+                    if st["abandoned"]:                 # its time ran out while it waited for a slot
+                        self.slots.release()
+                        return
+                    st["holding"] = True
+                try:
+                    box[k] = (fn(), None)
+                except Exception as exc:  # noqa: BLE001 - a failing tool is an observation, not a crash
+                    log.debug("%s raised", label, exc_info=True)
+                    box[k] = (f"{label} failed: {type(exc).__name__}: {exc}", "error")
+                finally:
+                    with st["lock"]:
+                        st["holding"] = False
+                        if not st["abandoned"]:         # else the waiter gave the slot back already
+                            self.slots.release()
+
+        for job, box, st in zip(jobs, boxes, states):
+            t = threading.Thread(target=work, args=(job, box, st), name="grpokit-tool", daemon=True)
+            t.start()
+            threads.append(t)
+        out = []
+        for job, box, st, t in zip(jobs, boxes, states, threads):
+            t.join(max(0.0, start + self.timeout_s * max(1, len(job)) - time.monotonic()))
+            with st["lock"]:
+                if t.is_alive():
+                    st["abandoned"] = True
+                    if st["holding"]:                   # a hung call: its slot back, it runs on beside the pool
+                        self.hung += 1
+                        self.slots.release()
+                res = [box[k] if box[k] is not None else
+                       (f"{label} did not answer within {self.timeout_s:g} s", "timeout")
+                       for k, (label, _) in enumerate(job)]
+            out.append(res)
+        return out
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to stop: the threads are daemons."""

@@ -61,6 +61,7 @@ class Episode:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_timeouts: int = 0
     parse_failures: int = 0
     obs_tokens: int = 0
     stop_reason: str | None = None
@@ -75,7 +76,8 @@ class Episode:
 
     def record(self) -> dict:
         return {"stop_reason": self.stop_reason, "turns": self.turns, "tool_calls": self.tool_calls,
-                "tool_errors": self.tool_errors, "parse_failures": self.parse_failures,
+                "tool_errors": self.tool_errors, "tool_timeouts": self.tool_timeouts,
+                "parse_failures": self.parse_failures,
                 "obs_tokens": self.obs_tokens, "messages": self.messages, "final": self.final, "env": self.env}
 
 
@@ -111,7 +113,7 @@ class EpisodeRunner:
         """`params.n` episodes per row (group after group); `params.max_new_tokens` is each episode's
         budget over all its turns and observations."""
         G, budget = params.n, params.max_new_tokens
-        self._budget = budget
+        self._budget, self._resampled, self._versions = budget, 0, []
         eps = [self._start(row) for row in rows for _ in range(G)]
         turn = 0
         while True:
@@ -128,12 +130,15 @@ class EpisodeRunner:
             else:
                 out = self.engine.generate([e.prompt_ids + e.ids for e in live], one, generator)
             lengths = out.completion_mask.sum(-1).tolist()
+            self._resampled += int(out.resampled)
+            if out.weights_version is not None:
+                self._versions.append(int(out.weights_version))
             for k, e in enumerate(live):
                 n = min(int(lengths[k]), budget - len(e.ids))
                 ids = out.completion_ids[k, :n].tolist()
                 e.append(ids, out.sampler_logprobs[k, :n].tolist())
                 e.turns += 1
-                e.final = self.tok.decode(ids, skip_special_tokens=True)
+                e.final = self.tok.decode(ids[:-1] if ids and ids[-1] in self.eos_ids else ids)
                 e.messages.append({"role": "assistant", "content": e.final})
                 ended = bool(ids) and ids[-1] in self.eos_ids and (out.finish_reason[k] == "eos")
                 if not ended:
@@ -143,66 +148,76 @@ class EpisodeRunner:
         return self._batch(eps)
 
     def _observe(self, eps: list[Episode]) -> None:
-        """Each episode's observation for its last turn (tools run at once in the pool), appended,
-        or its stop reason."""
-        s = self.settings
-        pending = []
+        """Each episode's observation for its last turn (every episode's calls at once, in the
+        pool), appended, or its stop reason."""
+        jobs, notes = [], []             # per episode: the calls to run; answers known without running
         for e in eps:
             if self.spec.text_form:
-                pending.append((e, [("step", self.pool.submit(e.env.step, e.final))]))
+                jobs.append([("the environment's step()", lambda e=e: e.env.step(e.final))])
+                notes.append(None)
                 continue
             parsed = parse_tool_calls(e.final)
             if not parsed.has_call:
                 e.stop_reason = "stop"
+                jobs.append([])
+                notes.append(None)
                 continue
             if parsed.error is not None:
                 e.parse_failures += 1
-                pending.append((e, [("parse", f"Could not read the tool call: {parsed.error}.")]))
+                jobs.append([])
+                notes.append([(None, f"Could not read the tool call: {parsed.error}.")])
                 continue
             tools = EnvSpec.tools(e.env)
-            futs = []
+            job, note = [], []
             for call in parsed.calls:
                 e.tool_calls += 1
                 fn = tools.get(call.name)
                 if fn is None:
-                    futs.append((call.name, f"There is no tool {call.name!r} (tools: {', '.join(sorted(tools))})."))
                     e.tool_errors += 1
+                    note.append((call.name, f"There is no tool {call.name!r} (tools: {', '.join(sorted(tools))})."))
                 else:
-                    futs.append((call.name, self.pool.submit(fn, **call.arguments)))
-            pending.append((e, futs))
-        for e, futs in pending:
-            msgs = []
-            for name, fut in futs:
-                if isinstance(fut, str):
-                    msgs.append(self.chat.observation(fut, None if name == "parse" else name))
-                    continue
-                value, err = self.pool.result(fut, "the environment" if name == "step" else f"tool {name}")
-                if name == "step":
-                    if err is not None:
-                        e.stop_reason = "timeout" if err == "timeout" else "tool_error"
-                        log.debug("episode stopped: %s", value)
-                    elif value is None:
-                        e.stop_reason = "stop"
-                    else:
-                        msgs.append({"role": "user", "content": self._cut(str(value))})
-                    continue
-                if err is not None:
-                    e.tool_errors += 1
-                msgs.append(self.chat.observation(self._cut(str(value)), name))
+                    job.append((f"tool {call.name}", lambda fn=fn, a=call.arguments: fn(**a)))
+            jobs.append(job)
+            notes.append(note)
+        results = self.pool.run(jobs)
+        for e, job, note, res in zip(eps, jobs, notes, results):
             if e.stop_reason is not None:
                 continue
-            if e.turns >= s.max_turns:
-                e.stop_reason = "max_turns"
+            if self.spec.text_form:
+                value, err = res[0]
+                if err is not None:
+                    e.stop_reason = "timeout" if err == "timeout" else "tool_error"
+                    log.debug("episode stopped: %s", value)
+                elif value is None:
+                    e.stop_reason = "stop"
+                else:
+                    self._append(e, [{"role": "user", "content": self._cut(_text(value))}])
                 continue
-            try:
-                delta = self.chat.observation_ids(e.messages, msgs, e.ids[-1] if e.ids else None)
-            except NotPrefixPreserving as exc:
-                raise ConfigError(f"multi-turn episode: {exc}") from None
-            if len(e.ids) + len(delta) >= self._budget:   # no room left for a turn
-                e.stop_reason = "length"
-                continue
-            e.append(delta, None)
-            e.messages += msgs
+            answers = list(note or [])
+            for (label, _), (value, err) in zip(job, res):
+                if err is not None:
+                    e.tool_errors += 1
+                    e.tool_timeouts += err == "timeout"
+                answers.append((label.removeprefix("tool "), self._cut(_text(value))))
+            self._append(e, self.chat.observations(answers))
+
+    def _append(self, e: Episode, msgs: list[dict]) -> None:
+        """Append the observation messages' template delta, or end the episode (`max_turns`, `length`)."""
+        if e.turns >= self.settings.max_turns:
+            e.stop_reason = "max_turns"
+            return
+        try:
+            delta = self.chat.observation_ids(e.messages, msgs, e.ids[-1] if e.ids else None)
+        except NotPrefixPreserving as exc:
+            raise ConfigError(f"multi-turn episode: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - the template cannot render this conversation
+            raise ConfigError(f"multi-turn episode: the chat template failed on the conversation "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+        if len(e.ids) + len(delta) >= self._budget:   # no room left for a turn
+            e.stop_reason = "length"
+            return
+        e.append(delta, None)
+        e.messages += msgs
 
     def _cut(self, text: str) -> str:
         """An observation cut in the middle to `max_observation_tokens` tokens."""
@@ -230,27 +245,39 @@ class EpisodeRunner:
             if e.stop_reason is None:                 # cannot happen: every loop iteration ends some
                 e.stop_reason = "length"
         records = [e.record() for e in eps]
-        for e, r in zip(eps, records):
-            r["env_reward"] = self._env_reward(e) if self.spec.has_reward else None
+        rewards = (self.pool.run([[("the environment's reward()", e.env.reward)] for e in eps])
+                   if self.spec.has_reward else [[(None, None)] for _ in eps])
+        for r, [(value, err)] in zip(records, rewards):
+            r["env_reward"] = None if err is not None else _number(value)
+            if err is not None:
+                log.warning("%s", value)
         return RolloutBatch(
             prompt_ids=[e.prompt_ids for e in eps], completion_ids=ids, completion_mask=mask,
             sampler_logprobs=logp, finish_reason=["eos" if e.stop_reason == "stop" else "length" for e in eps],
             completions=[self.tok.decode(e.ids, skip_special_tokens=False) for e in eps],
-            action_mask=action, episodes=records)
-
-    def _env_reward(self, e: Episode) -> float | None:
-        value, err = self.pool.result(self.pool.submit(e.env.reward), "the environment's reward()")
-        if err is not None:
-            log.warning("%s", value)
-            return None
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            log.warning("the environment's reward() returned %r, not a number", value)
-            return None
+            action_mask=action, episodes=records, resampled=self._resampled,
+            weights_version=min(self._versions) if self._versions else None)
 
     def close(self) -> None:
         self.pool.close()
+
+
+def _number(value) -> float | None:
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        log.warning("the environment's reward() returned %r, not a number", value)
+        return None
+
+
+def _text(value) -> str:
+    """A tool's answer as text (an answer whose str() fails is an error message)."""
+    try:
+        return value if isinstance(value, str) else str(value)
+    except Exception as exc:  # noqa: BLE001 - a broken __str__ is the tool's fault, not the step's
+        return f"the tool's answer could not be shown as text ({type(exc).__name__})"
 
 
 def episode_metrics(records: list[dict], action_tokens: int, all_tokens: int) -> dict[str, float]:
@@ -259,6 +286,7 @@ def episode_metrics(records: list[dict], action_tokens: int, all_tokens: int) ->
     out = {"agent/turns_mean": sum(r["turns"] for r in records) / n,
            "agent/tool_calls": float(sum(r["tool_calls"] for r in records)),
            "agent/tool_errors": float(sum(r["tool_errors"] for r in records)),
+           "agent/tool_timeouts": float(sum(r.get("tool_timeouts", 0) for r in records)),
            "agent/parse_failures": float(sum(r["parse_failures"] for r in records)),
            "agent/obs_token_frac": (all_tokens - action_tokens) / max(all_tokens, 1)}
     for reason in STOP_REASONS:
