@@ -127,10 +127,11 @@ class RolloutConfig(_Section):
     vllm: VLLMConfig = VLLMConfig()
     """Options of the `vllm` engine."""
     env: str | None = None
-    """Multi-turn episodes with an environment: `package.module:Class`, built per episode, reset with
-    the dataset row; its public methods are its tools (docs/agents.md)."""
+    """Multi-turn episodes with an environment: `package.module:Class` (or `path/to/file.py:Class`),
+    built per episode, reset with the dataset row; its public methods are its tools (docs/agents.md)."""
     tools: list[str] = []
-    """Multi-turn episodes with plain tool functions: `package.module:function` each."""
+    """Multi-turn episodes with plain tool functions: `package.module:function` (or
+    `path/to/file.py:function`) each."""
     agent: AgentConfig = AgentConfig()
     """Limits of multi-turn episodes (`rollout.env` / `rollout.tools`)."""
 

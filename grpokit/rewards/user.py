@@ -23,17 +23,12 @@ Three things a reward written outside grpokit needs, each checked before the mod
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import logging
-import os
 import re
-import sys
 from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
 
+from grpokit._imports import import_reference
 from grpokit._names import did_you_mean
 from grpokit.errors import ConfigError
 
@@ -134,73 +129,15 @@ def resolve(name: str) -> Callable[..., list]:
 
 
 def _import(ref: str):
-    where, sep, attr = ref.rpartition(":")
-    if not sep:                                             # TRL's dotted path: pkg.module.function
-        where, _, attr = ref.rpartition(".")
-    if not where or not attr:
-        raise ConfigError(f"reward {ref!r}: an import reference is MODULE:FUNCTION or path/to/file.py:FUNCTION")
-    module = _load_file(ref, where) if where.endswith(".py") or os.sep in where or "/" in where \
-        else _load_module(ref, where)
-    obj = module
-    for part in attr.split("."):                            # `module:Class.method` too
-        if not hasattr(obj, part):
-            names = [n for n in dir(obj) if not n.startswith("_")]
-            raise ConfigError(f"reward {ref!r}: {getattr(obj, '__name__', where)} has no attribute {part!r}"
-                              f"{did_you_mean(part, names)}")
-        obj = getattr(obj, part)
+    def not_found(name: str) -> str:
+        close = did_you_mean(ref, REGISTRY)
+        return f"; not a registered reward either{close}" if close else "; use path/to/file.py:FUNCTION for a file"
+
+    obj = import_reference(ref, "reward", target="FUNCTION", not_found=not_found)
     if not callable(obj) or isinstance(obj, type):
+        attr = ref.rpartition(":")[2] if ":" in ref else ref.rpartition(".")[2]
         raise ConfigError(f"reward {ref!r}: {attr} is a {type(obj).__name__}, not a reward function")
     return obj
-
-
-def _load_module(ref: str, module: str):
-    """Import `module`, looking in the current directory too (a console script's sys.path lacks it)."""
-    cwd = os.getcwd()
-    added = cwd not in sys.path
-    if added:
-        sys.path.append(cwd)
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name and module.startswith(e.name):           # the module itself, not one it imports
-            close = did_you_mean(ref, REGISTRY)
-            also = f"; not a registered reward either{close}" if close else "; use path/to/file.py:FUNCTION for a file"
-            raise ConfigError(f"reward {ref!r}: no module named {e.name!r} (looked in {cwd} and on sys.path)"
-                              f"{also}") from None
-        raise ConfigError(f"reward {ref!r}: importing {module} failed: {_one_line(e)}") from None
-    except Exception as e:  # noqa: BLE001 - any error while importing user code is the user's to see
-        raise ConfigError(f"reward {ref!r}: importing {module} failed: {_one_line(e)}") from None
-    finally:
-        if added and cwd in sys.path:
-            sys.path.remove(cwd)
-
-
-def _load_file(ref: str, file: str):
-    """Import a Python file as a module of its own (one per resolved path, imported once)."""
-    path = Path(file).expanduser().resolve()
-    if not path.is_file():
-        raise ConfigError(f"reward {ref!r}: file not found: {file}")
-    key = f"grpokit_user_reward_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:10]}"
-    if key in sys.modules:
-        return sys.modules[key]
-    spec = importlib.util.spec_from_file_location(key, path)
-    if spec is None or spec.loader is None:
-        raise ConfigError(f"reward {ref!r}: {file} is not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[key] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException as e:  # noqa: BLE001 - SystemExit in user code included: one line, not an exit
-        del sys.modules[key]
-        raise ConfigError(f"reward {ref!r}: importing {file} failed: {_one_line(e)}") from None
-    return module
-
-
-def _one_line(e: BaseException) -> str:
-    if isinstance(e, SyntaxError):                          # its str() carries the place already
-        return f"{type(e).__name__}: {e.msg} ({e.filename}, line {e.lineno})"
-    text = str(e).splitlines()[0] if str(e) else ""
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 # ---------------------------------------------------------------------- required columns

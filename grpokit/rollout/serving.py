@@ -390,12 +390,12 @@ class RolloutHTTPServer(ThreadingHTTPServer):
             body = json.dumps({"error": "the server has as many connections open as it takes (from this address or "
                                         "in all); try again shortly", "kind": "busy"}).encode()
             try:                                               # on the accepting thread: nothing that waits
-                request.settimeout(0.05)
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                                b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                request.setblocking(False)
+                request.send(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                             b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
                 request.shutdown(socket.SHUT_WR)
                 request.recv(65536)                            # what has arrived of the request: not a reset
-            except OSError:
+            except OSError:                                    # BlockingIOError included: nothing more to wait for
                 pass
             self.close_request(request)
             return

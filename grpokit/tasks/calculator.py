@@ -14,13 +14,12 @@ and copies the result into its box gets the answer right.
 from __future__ import annotations
 
 import ast
-import json
 import operator
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpokit.tasks.chat_arith import ITEMS, NAMES
+from grpokit.tasks.chat_arith import ITEMS, NAMES, write_splits
 
 INSTRUCTION = "Use the calculator, then put the final answer in \\boxed{}."
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
@@ -134,10 +133,5 @@ class CalculatorTask:
         return {"train": self.train, "heldout": self.heldout, "harder": self.harder}
 
     def write(self, out_dir: str | Path) -> dict[str, Path]:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        paths = {}
-        for name, rows in self.splits().items():
-            paths[name] = out / f"{name}.jsonl"
-            paths[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
-        return paths
+        """Write `<split>.jsonl` files into `out_dir`; returns their paths by split."""
+        return write_splits(self.splits(), out_dir)

@@ -136,10 +136,15 @@ class ChatArithTask:
 
     def write(self, out_dir: str | Path) -> dict[str, Path]:
         """Write `<split>.jsonl` files into `out_dir`; returns their paths by split."""
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        paths = {}
-        for name, rows in self.splits().items():
-            paths[name] = out / f"{name}.jsonl"
-            paths[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
-        return paths
+        return write_splits(self.splits(), out_dir)
+
+
+def write_splits(splits: dict[str, list[dict]], out_dir: str | Path) -> dict[str, Path]:
+    """`<split>.jsonl` for each named list of rows, in `out_dir`; their paths by split."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, rows in splits.items():
+        paths[name] = out / f"{name}.jsonl"
+        paths[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return paths

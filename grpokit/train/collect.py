@@ -65,10 +65,11 @@ class Collector:
         columns = {k: [row.get(k) for row in batch.rows] for k in keys}
         columns.update(completion_length=batch.lengths.tolist(), finish_reason=list(batch.finish_reason),
                        group_id=batch.group_id.tolist(), max_new_tokens=[self.params.max_new_tokens] * len(batch))
-        prompts, completions = [self.encoder.text(row["prompt"]) for row in batch.rows], batch.completions
         if batch.episodes is not None:
             prompts, completions = episode_columns(self.episodes, batch.prompt_ids, batch.completions,
                                                    batch.episodes, columns)
+        else:
+            prompts, completions = [self.encoder.text(row["prompt"]) for row in batch.rows], batch.completions
         out = self.rewards.score(prompts, completions, columns)
         batch.rewards = rewards_tensor(out.total)
         batch.scores = {k: list(v) for k, v in out.per_fn.items()}

@@ -46,9 +46,10 @@ def evaluate(engine, encoder, reward_set, dataset, cfg, *, samples: int = 0, gen
             cols.update(completion_length=lengths.tolist(), finish_reason=batch.finish_reason,
                         group_id=[g for g in range(len(chunk)) for _ in range(k)],
                         max_new_tokens=[cfg.rollout.max_new_tokens] * len(batch))
-            prompts, completions = [encoder.text(r["prompt"]) for r in chunk for _ in range(k)], batch.completions
             if batch.episodes is not None:
-                prompts, completions = episode_columns(episodes, batch.prompt_ids, completions, batch.episodes, cols)
+                prompts, completions = episode_columns(episodes, batch.prompt_ids, batch.completions, batch.episodes, cols)
+            else:
+                prompts, completions = [encoder.text(r["prompt"]) for r in chunk for _ in range(k)], batch.completions
             res = reward_set.score(prompts, completions, cols)
             hits += _passes(res.per_fn[primary], threshold)
         name = "eval/pass@1" if temp == 0.0 else "eval/mean@k"

@@ -114,10 +114,17 @@ def test_bad_environments_and_tools_are_one_line_errors():
         assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="not both"):
         EnvSpec(CalcEnv, [shout])
-    for spec, match in [("nocolon", "package.module:Name"), ("no_such_module_x:Y", "cannot import"),
-                        ("grpokit.rollout:NoSuchThing", "has no")]:
+    for spec, match in [("nocolon", "MODULE:NAME"), ("no_such_module_x:Y", "no module named"),
+                        ("grpokit.rollout:NoSuchThing", "has no attribute"), ("missing/envs.py:E", "file not found")]:
         with pytest.raises(ConfigError, match=match):
             load_object(spec, "rollout.env")
+
+
+def test_an_environment_in_a_file_or_in_the_current_directory_is_found(tmp_path, monkeypatch):
+    (tmp_path / "my_envs.py").write_text("from tests.rollout.agent_envs import CalcEnv as Env\n")
+    assert load_object(f"{tmp_path / 'my_envs.py'}:Env", "rollout.env").__name__ == "CalcEnv"
+    monkeypatch.chdir(tmp_path)
+    assert load_object("my_envs:Env", "rollout.env").__name__ == "CalcEnv"     # a console script's sys.path lacks it
 
 
 @pytest.mark.parametrize("text, calls, error", [

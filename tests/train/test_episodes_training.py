@@ -125,12 +125,18 @@ def test_a_resumed_run_continues_the_same_episodes(setup, tmp_path):
 
 def test_evaluation_runs_the_episodes_too(setup, tmp_path, capsys):
     root, model_dir, data, _ = setup
+    (tmp_path / "episode_reward.py").write_text(
+        "def played(prompts, completions, turns=None, stop_reason=None, **columns):\n"
+        "    # 1 for a completion that came from an episode (its columns carry turns and a stop reason)\n"
+        "    if turns is None:\n"
+        "        return [0.0] * len(completions)\n"
+        "    return [float(t >= 1 and r is not None) for t, r in zip(turns, stop_reason)]\n")
     cfg = tmp_path / "agent.yaml"
-    cfg.write_text("rollout:\n  env: tests.rollout.agent_envs:CalcEnv\n  max_new_tokens: 40\n"
-                   "rewards:\n  - {name: test_text_length}\n")
+    cfg.write_text("rollout:\n  env: tests.rollout.agent_envs:AgainEnv\n  max_new_tokens: 40\n"
+                   f"rewards:\n  - {{name: '{tmp_path / 'episode_reward.py'}:played'}}\n")
     assert cli.main(["eval", "--model", str(model_dir), "--data", str(data), "--config", str(cfg)]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["prompts"] == 4 and 0.0 <= out["eval/pass@1"] <= 1.0
+    assert out["prompts"] == 4 and out["eval/pass@1"] == 1.0       # every prompt was played as an episode
 
 
 @pytest.mark.parametrize("extra, match", [

@@ -31,13 +31,13 @@ Plain tool functions (`rollout.tools`, `GRPO(tools=[fn])`) are the same without 
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
 import threading
 import time
 from typing import Any, Callable
 
+from grpokit._imports import import_reference
 from grpokit.errors import ConfigError
 
 log = logging.getLogger("grpokit.rollout")
@@ -46,18 +46,9 @@ RESERVED = {"reset", "step", "reward", "close"}
 
 
 def load_object(spec: str, what: str):
-    """"package.module:name" -> the object; a one-line ConfigError when it cannot be imported."""
-    module, sep, name = str(spec).partition(":")
-    if not sep or not module or not name:
-        raise ConfigError(f"{what} must look like package.module:Name (got {spec!r})")
-    try:
-        mod = importlib.import_module(module)
-    except Exception as exc:  # noqa: BLE001 - any import failure is the user's to fix
-        raise ConfigError(f"{what} {spec}: cannot import {module} ({type(exc).__name__}: {exc})") from None
-    try:
-        return getattr(mod, name)
-    except AttributeError:
-        raise ConfigError(f"{what} {spec}: {module} has no {name!r}") from None
+    """The object an import reference (`package.module:Name`, `path/to/file.py:Name`) points at,
+    as reward references are resolved (grpokit._imports); a one-line ConfigError otherwise."""
+    return import_reference(spec, what)
 
 
 def tools_of(env) -> dict[str, Callable]:
@@ -122,6 +113,7 @@ class EnvSpec:
                 raise ConfigError(f"rollout.env {type(probe).__name__} has no tools (public methods) and no step(text)")
             self.factory = factory
             self.schemas = [schema_of(n, f) for n, f in sorted(names.items())]
+            self.has_reward = callable(getattr(probe, "reward", None))
         else:
             fns = {}
             for fn in tools:
@@ -129,9 +121,8 @@ class EnvSpec:
                     raise ConfigError(f"rollout.tools: {fn!r} is not a function")
                 fns[getattr(fn, "__name__", repr(fn))] = fn
             self.factory = lambda: FunctionEnv(fns)
-            self.text_form = False
+            self.text_form, self.has_reward = False, False
             self.schemas = [schema_of(n, f) for n, f in sorted(fns.items())]
-        self.has_reward = callable(getattr(self.factory(), "reward", None))
 
     @classmethod
     def from_config(cls, env: str | None, tools: list[str]) -> "EnvSpec":
