@@ -57,9 +57,10 @@ class GRPO:
 
     def __init__(self, model: Any = None, rewards: Any = None, dataset: Any = None, config: Any = None, *,
                  eval_dataset: Any = None, tokenizer: Any = None, overrides: Mapping[str, Any] | None = None,
-                 env: Any = None, tools: list | None = None):
+                 env: Any = None, tools: list | None = None, agent_loop: Any = None):
         """`env`: an environment class (multi-turn episodes: built per episode, its public methods
-        are its tools) or `tools`: plain tool functions; docs/agents.md."""
+        are its tools), `tools`: plain tool functions, or `agent_loop`: a function
+        `fn(engine, row) -> Trajectory` that plays its own episodes; docs/agents.md."""
         if overrides is not None and not isinstance(overrides, Mapping):
             raise ConfigError(f"overrides must be a dict of dotted keys, e.g. {{'train.steps': 5}}; "
                               f"got {type(overrides).__name__}")
@@ -79,7 +80,14 @@ class GRPO:
         if isinstance(eval_dataset, (str, os.PathLike)):
             set_key(data, ["data", "eval_path"], os.fspath(eval_dataset), "eval_dataset")
         env_spec = None
-        if env is not None or tools:
+        if agent_loop is not None:
+            if env is not None or tools:
+                raise ConfigError("give agent_loop or env / tools, not both (the loop plays its own episodes)")
+            if not callable(agent_loop):
+                raise ConfigError(f"agent_loop must be a function, got {type(agent_loop).__name__}")
+            env_spec = agent_loop
+            set_key(data, ["rollout", "agent", "loop"], _where(agent_loop), "agent_loop")
+        elif env is not None or tools:
             from grpokit.rollout.episodes import EnvSpec
             env_spec = EnvSpec(env, list(tools) if tools else None)
             if env is not None:

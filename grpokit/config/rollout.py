@@ -49,6 +49,17 @@ class AgentConfig(_Section):
     """Longest wait for one tool call (or one `step`); a slower one is an error observation."""
     tool_workers: int = Field(4, ge=1)
     """Tool calls that run at once (threads off the decoding loop)."""
+    loop: str | None = None
+    """An agent loop you own instead of an environment: `package.module:function` (or
+    `path/to/file.py:function`) called as `fn(engine, row)` per episode, returning a
+    `grpokit.rollout.episodes.Trajectory` (token ids, loss mask, sampler log-probs) or a list of
+    them (segments of one episode); `tool_timeout_s` bounds its time between two generate calls
+    (grpokit.rollout.episodes.custom, docs/agents.md)."""
+    segments: Literal["auto", "whole", "per_turn"] = "auto"
+    """How an episode is trained: `whole`, one sequence (the sampled turns with the template's
+    observation tokens between them, masked); `per_turn`, one sample per assistant turn with the
+    prompt the template gave it, all sharing the episode's advantage; `auto`, `whole` unless the
+    chat template rewrites earlier turns (not prefix-preserving), then `per_turn`, said at start."""
 
 
 class RolloutConfig(_Section):
@@ -133,7 +144,7 @@ class RolloutConfig(_Section):
     """Multi-turn episodes with plain tool functions: `package.module:function` (or
     `path/to/file.py:function`) each."""
     agent: AgentConfig = AgentConfig()
-    """Limits of multi-turn episodes (`rollout.env` / `rollout.tools`)."""
+    """Limits of multi-turn episodes (`rollout.env` / `rollout.tools`), or an agent loop of your own."""
 
     @model_validator(mode="after")
     def _combinations(self):
@@ -155,7 +166,7 @@ class RolloutConfig(_Section):
     @property
     def episodes(self) -> bool:
         """True when rollouts are multi-turn episodes."""
-        return bool(self.env or self.tools)
+        return bool(self.env or self.tools or self.agent.loop)
 
     def check_config(self, cfg) -> None:
         if self.batch_size % cfg.algorithm.mini_batches:
@@ -163,8 +174,12 @@ class RolloutConfig(_Section):
         if self.episodes:
             if self.env and self.tools:
                 raise check_failed("give rollout.env or rollout.tools, not both (an environment's tools are its methods)")
+            if self.agent.loop and (self.env or self.tools):
+                raise check_failed("rollout.agent.loop plays its own episodes: give it or rollout.env / rollout.tools, "
+                                   "not both")
             if self.engine not in ("hf", "hf_copy"):
-                raise check_failed(f"multi-turn episodes (rollout.env / rollout.tools) run on rollout.engine hf or "
+                raise check_failed(f"multi-turn episodes (rollout.env / rollout.tools / rollout.agent.loop) run on "
+                                   f"rollout.engine hf or "
                                    f"hf_copy for now, not {self.engine}")
             if self.async_:
                 raise check_failed("multi-turn episodes do not run with rollout.async yet")

@@ -43,6 +43,7 @@ class Batch:
     rewrites: tuple[list[list[int]], list[list[int]]] | None = None   # (contexts, note targets)
     action_mask: torch.Tensor | None = None  # [B, T] 1 on sampled tokens (defaults to `mask`)
     episodes: list[dict] | None = None     # [B] multi-turn episode records (None: single-turn)
+    episode_of: torch.Tensor | None = None  # [B] long: step-wise segments, the episode each row is a turn of
 
     def __post_init__(self):
         if self.action_mask is None:
@@ -89,11 +90,89 @@ def from_rollout(rb: RolloutBatch, prompt_index: list[int], rows: list[dict], gr
         episodes=list(rb.episodes) if rb.episodes is not None else None)
 
 
-_PER_ROW_TENSORS = ("prompt_index", "group_id", "rewards", "advantages")
+_PER_ROW_TENSORS = ("prompt_index", "group_id", "rewards", "advantages", "episode_of")
 _PER_TOKEN_TENSORS = ("completion_ids", "mask", "sampler_logp", "loss_mask", "old_logp", "ref_logp", "is_weights",
                       "action_mask")
 _PER_ROW_LISTS = ("uid", "rows", "prompt_ids", "finish_reason", "completions")
 _OPTIONAL_ROW_LISTS = ("episodes",)
+
+
+def to_segments(batch: Batch, pad_id: int, decode=None) -> Batch:
+    """A batch of multi-turn episodes whose records hold `segments` (step-wise turns,
+    grpokit.rollout.episodes.runner; a user loop's trajectories, grpokit.rollout.episodes.custom)
+    as one row per segment. A segment is (prompt ids, ids, log-probs[, mask]) (no mask: every token
+    sampled); its sampled tokens are the episode row's next action tokens, in order, and take the
+    per-token values transforms set there (loss mask, and any log-probs already computed); its
+    other tokens keep mask 0. Row-level fields (rewards, scores, group, advantages) are the
+    episode's; `episode_of` says which episode each row belongs to; the last segment keeps the
+    episode's finish reason. Batches without segments are returned as they are."""
+    if batch.episodes is None or not any(r.get("segments") for r in batch.episodes):
+        return batch
+    plan = []                             # per new row: (episode row, turn, prompt, ids, logp, mask, positions)
+    for i, rec in enumerate(batch.episodes):
+        pos = batch.action_mask[i].nonzero().flatten().tolist()
+        segs = rec.get("segments") or [(batch.prompt_ids[i], *_row_segment(batch, i))]
+        at = 0
+        for k, seg in enumerate(segs):
+            prompt, ids, logp = seg[0], list(seg[1]), list(seg[2])
+            m = list(seg[3]) if len(seg) > 3 else [1] * len(ids)
+            span = pos[at:at + sum(m)]
+            if batch.completion_ids[i, span].tolist() != [t for t, x in zip(ids, m) if x]:
+                raise ValueError(f"episode {batch.uid[i]}: segment {k}'s sampled tokens are not the episode's")
+            plan.append((i, k, prompt, ids, logp, m, span))
+            at += len(span)
+    R, T = len(plan), max(max((len(p[3]) for p in plan), default=1), 1)
+    src = [p[0] for p in plan]
+    out = {}
+    for f in _PER_ROW_TENSORS:
+        v = getattr(batch, f)
+        out[f] = None if v is None else v[torch.tensor(src, dtype=torch.long)]
+    out["episode_of"] = torch.tensor(src, dtype=torch.long)
+    out["completion_ids"] = torch.full((R, T), pad_id, dtype=batch.completion_ids.dtype)
+    out["mask"] = torch.zeros((R, T), dtype=batch.mask.dtype)
+    out["action_mask"] = torch.zeros((R, T), dtype=batch.mask.dtype)
+    out["sampler_logp"] = torch.zeros((R, T), dtype=batch.sampler_logp.dtype)
+    for f in ("loss_mask", "old_logp", "ref_logp", "is_weights"):
+        v = getattr(batch, f)
+        out[f] = None if v is None else torch.zeros((R, T), dtype=v.dtype)
+    for r, (i, _, _, ids, logp, m, span) in enumerate(plan):
+        n = len(ids)
+        out["completion_ids"][r, :n] = torch.tensor(ids, dtype=out["completion_ids"].dtype)
+        out["mask"][r, :n] = 1
+        trained = torch.tensor([j for j in range(n) if m[j]], dtype=torch.long)
+        out["action_mask"][r, trained] = 1
+        out["sampler_logp"][r, :n] = torch.tensor(logp, dtype=out["sampler_logp"].dtype)
+        for f in ("loss_mask", "old_logp", "ref_logp", "is_weights"):
+            if out[f] is not None:
+                out[f][r, trained] = getattr(batch, f)[i, span]
+    last = {i: r for r, i in enumerate(src)}
+    out["uid"] = [f"{batch.uid[i]}/t{k}" for i, k, *_ in plan]
+    out["rows"] = [batch.rows[i] for i in src]
+    out["prompt_ids"] = [list(p[2]) for p in plan]
+    out["finish_reason"] = [batch.finish_reason[i] if last[i] == r else "eos" for r, i in enumerate(src)]
+    out["completions"] = [decode(p[3]) if decode else batch.completions[p[0]] for p in plan]
+    out["episodes"] = [batch.episodes[i] for i in src]
+    out["scores"] = {k: [v[i] for i in src] for k, v in batch.scores.items()}
+    return replace(batch, **out)
+
+
+def _row_segment(batch: Batch, i: int) -> tuple[list[int], list[float], list[int]]:
+    """An episode row without segments as one segment: its ids, sampler log-probs and action mask."""
+    n = int(batch.mask[i].sum())
+    return (batch.completion_ids[i, :n].tolist(), batch.sampler_logp[i, :n].tolist(),
+            batch.action_mask[i, :n].tolist())
+
+
+def episodes_of(batch: Batch) -> tuple[list[int], torch.Tensor]:
+    """(reps, expand): one row per episode (the last of its segments; every row when the batch has
+    no segments) and, per row, its episode's position in `reps`. Episode-level statistics (one
+    reward, one advantage, one length per episode) are taken at `reps` and broadcast by `expand`."""
+    if batch.episode_of is None:
+        return list(range(len(batch))), torch.arange(len(batch))
+    order = list(dict.fromkeys(batch.episode_of.tolist()))
+    pos = {e: k for k, e in enumerate(order)}
+    last = {e: r for r, e in enumerate(batch.episode_of.tolist())}
+    return [last[e] for e in order], torch.tensor([pos[e] for e in batch.episode_of.tolist()], dtype=torch.long)
 
 
 def select(batch: Batch, rows: list[int]) -> Batch:

@@ -245,16 +245,25 @@ def _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, env
 
 # ---------------------------------------------------------------------- evaluation
 def build_episodes(cfg, engine, tokenizer, spec=None):
-    """The multi-turn episode runner over `engine` (`spec`, else `rollout.env` / `rollout.tools`), or None."""
+    """The multi-turn episode runner over `engine` (`spec`: an EnvSpec or an agent-loop function; else
+    `rollout.env` / `rollout.tools` / `rollout.agent.loop`), or None."""
     r = cfg.rollout
     if not r.episodes and spec is None:
         return None
-    from grpokit.rollout.episodes import EnvSpec, EpisodeRunner, EpisodeSettings
+    from grpokit.rollout.episodes import EnvSpec, EpisodeRunner, EpisodeSettings, LoopRunner, load_object
 
     a = r.agent
+    if spec is not None and not isinstance(spec, EnvSpec):      # an agent loop given as a function
+        return LoopRunner(engine, tokenizer, spec, wait_s=a.tool_timeout_s)
+    if a.loop and spec is None:
+        fn = load_object(a.loop, "rollout.agent.loop")
+        if not callable(fn):
+            raise ConfigError(f"rollout.agent.loop {a.loop} is not a function")
+        return LoopRunner(engine, tokenizer, fn, wait_s=a.tool_timeout_s)
     return EpisodeRunner(engine, tokenizer, spec or EnvSpec.from_config(r.env, r.tools),
                          EpisodeSettings(max_turns=a.max_turns, max_observation_tokens=a.max_observation_tokens,
-                                         tool_timeout_s=a.tool_timeout_s, tool_workers=a.tool_workers))
+                                         tool_timeout_s=a.tool_timeout_s, tool_workers=a.tool_workers,
+                                         segments=a.segments))
 
 
 class EvalParts(NamedTuple):

@@ -76,6 +76,13 @@ class Collector:
         batch.reward_metrics = {k: float(v) for k, v in out.metrics.items()}
         return batch
 
+    def segments(self, batch: Batch) -> Batch:
+        """Step-wise episodes (a template that rewrites earlier turns) as one row per turn; other
+        batches as they are (grpokit.train.batch.to_segments)."""
+        if self.episodes is None or not self.episodes.per_turn:
+            return batch
+        return batch_lib.to_segments(batch, self.pad_id, decode=lambda ids: self.episodes.tok.decode(ids))
+
     def draw_prompts(self, n: int, step: int) -> list[int]:
         """Dataset indices for n prompts: the shuffled order, or the curriculum's pick from it."""
         if self.curriculum is None:

@@ -29,6 +29,7 @@ from grpokit.algo import advantages as adv_lib
 from grpokit.algo import kl as kl_lib
 from grpokit.algo import loss as loss_lib
 from grpokit.rollout.base import NonFiniteLogits
+from grpokit.train import batch as batch_lib
 from grpokit.train.batch import Batch
 from grpokit.train.collect import owns_weights
 from grpokit.train.rundir import rollback, rss_mb
@@ -95,6 +96,8 @@ class Step:
         ctx = StepContext(step_idx)
         for transform in self.transforms:                               # 3
             batch = transform(batch, ctx)
+        batch = self.collector.segments(batch)          # step-wise episodes: one row per turn from here
+        reps, expand = batch_lib.episodes_of(batch)
         beta = self.kl_ctl.beta
         t = time.perf_counter()
         if self.reference is not None and beta > 0:                     # 4
@@ -102,17 +105,19 @@ class Step:
         kl_in_reward = None
         if s.kl_in_reward and batch.ref_logp is not None:               # r <- r - beta * sum_t k1
             batch.old_logp = self.worker.logprobs(batch, "policy")
-            kl_seq = kl_lib.kl_in_reward(batch.old_logp, batch.ref_logp, batch.action_mask).to(torch.float64)
-            batch.rewards = batch.rewards - beta * kl_seq
+            kl_rows = kl_lib.kl_in_reward(batch.old_logp, batch.ref_logp, batch.action_mask).to(torch.float64)
+            kl_seq = torch.zeros(len(reps), dtype=torch.float64).index_add_(0, expand, kl_rows)   # per episode
+            batch.rewards = batch.rewards - beta * kl_seq[expand]
             kl_in_reward = {"kl/ref": float(kl_seq.sum()) / max(1, int(batch.action_mask.sum())),   # token mean of k1
                             "kl/ref_seq": float(kl_seq.mean())}
         m.update(self.old_logprobs(batch))
         m["time/logprobs"] = time.perf_counter() - t
-        adv, adv_stats = adv_lib.compute(                               # 5
-            s.advantage, batch.rewards, group_ids=batch.group_id, eps=s.adv_eps,
-            lengths=batch.lengths.to(torch.float64), return_stats=True,
+        lengths = torch.zeros(len(reps), dtype=torch.float64).index_add_(0, expand, batch.lengths.to(torch.float64))
+        adv, adv_stats = adv_lib.compute(                               # 5: one advantage per episode
+            s.advantage, batch.rewards[reps], group_ids=batch.group_id[reps], eps=s.adv_eps,
+            lengths=lengths, return_stats=True,
             **({"buckets": s.length_buckets, "bucket_mode": s.bucket_mode} if s.length_buckets is not None else {}))
-        batch.advantages = adv.float()
+        batch.advantages = adv.float()[expand]
         batch.frac_zero_std = float(adv_stats.get("frac_zero_std", float("nan")))
         t = time.perf_counter()
         upd = self.worker.train_step(batch, beta, step=step_idx)      # 6
@@ -126,7 +131,7 @@ class Step:
         self.kl_ctl.step(observed if math.isfinite(observed) else 0.0)
         m["time/step"] = time.perf_counter() - t_step
         self.last_batch = batch
-        out = {**self.batch_metrics(batch, adv, adv_stats), "kl/beta": beta, **ctx.metrics, **m, **upd,
+        out = {**self.batch_metrics(batch, adv, adv_stats, reps, lengths), "kl/beta": beta, **ctx.metrics, **m, **upd,
                **self.guard.metrics(), **(self.reference.metrics() if self.reference is not None else {}),
                **({"ref/integrity_drift": drift} if drift is not None else {}),
                "throughput/tokens_per_s": float(batch.lengths.sum()) / max(m["time/step"], 1e-9),
@@ -156,13 +161,16 @@ class Step:
             batch.old_logp = self.worker.logprobs(batch, "policy")
         return {}
 
-    def batch_metrics(self, batch: Batch, adv: torch.Tensor, adv_stats: dict) -> dict[str, float]:
-        """Statistics of the step's batch; in a data-parallel job of the whole batch over ranks (the
-        ranks' rewards, lengths and advantages gathered: a few numbers per completion)."""
+    def batch_metrics(self, batch: Batch, adv: torch.Tensor, adv_stats: dict, reps: list[int],
+                      lengths: torch.Tensor) -> dict[str, float]:
+        """Statistics of the step's batch, one value per completion or episode (`reps`, `lengths`,
+        `adv`: per episode); in a data-parallel job of the whole batch over ranks (the ranks'
+        rewards, lengths and advantages gathered: a few numbers per completion)."""
         ok = passed(batch, self.s.pass_reward, self.s.pass_threshold)
         n_groups = len(torch.unique(batch.group_id))
-        part = {"lengths": batch.lengths.float().tolist(), "rewards": batch.rewards.tolist(), "ok": [bool(x) for x in ok],
-                "length_stop": [f == "length" for f in batch.finish_reason], "adv": adv.tolist(),
+        part = {"lengths": lengths.float().tolist(), "rewards": batch.rewards[reps].tolist(),
+                "ok": [bool(ok[i]) for i in reps],
+                "length_stop": [batch.finish_reason[i] == "length" for i in reps], "adv": adv.tolist(),
                 "zero_groups": float(adv_stats.get("frac_zero_std", float("nan"))) * n_groups, "groups": n_groups,
                 "nonfinite": float(adv_stats.get("num_nonfinite", 0)), "resampled": float(batch.resampled)}
         parts = self.comm.gather(part)

@@ -5,7 +5,6 @@ long runs."""
 from __future__ import annotations
 
 import base64
-import io
 import json
 import math
 import re

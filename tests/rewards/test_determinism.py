@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from grpokit.rewards import REGISTRY, RewardSet, register
+from grpokit.rewards import RewardSet
 from grpokit.rewards import math as M
 from grpokit.rewards._workers import WorkerPool
 from grpokit.rewards.determinism import check_determinism, check_rows, probe_batch, same

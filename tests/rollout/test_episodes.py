@@ -234,18 +234,51 @@ def test_ids_that_would_re_encode_differently_are_kept_as_sampled(tok):
     assert out.episodes[0]["env"].calls == ["12*2"] and out.episodes[0]["final"] == "24"
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused(tok):
+def rewriting_tokenizer():
+    """A ChatML template that drops an earlier assistant turn's reasoning (`<think>...</think>`),
+    as some thinking templates do: not prefix-preserving."""
     rewriting = build_chat_tokenizer(CHARS)
     rewriting.chat_template = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
         "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'].split('</think>')[-1] }}"
         "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return rewriting
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_as_one_sequence(tok):
+    rewriting = rewriting_tokenizer()
     assert ChatTokens(tok, EnvSpec(CalcEnv).schemas).prefix_preserving()
     assert not ChatTokens(rewriting, EnvSpec(CalcEnv).schemas).prefix_preserving()
     with pytest.raises(ConfigError, match="not prefix-preserving") as err:
-        EpisodeRunner(ScriptedEngine(rewriting, lambda t, k: []), rewriting, EnvSpec(CalcEnv))
-    assert "\n" not in str(err.value)
+        EpisodeRunner(ScriptedEngine(rewriting, lambda t, k: []), rewriting, EnvSpec(CalcEnv),
+                      EpisodeSettings(segments="whole"))
+    assert "\n" not in str(err.value) and "per_turn" in str(err.value)
+    assert not EpisodeRunner(ScriptedEngine(tok, lambda t, k: []), tok, EnvSpec(CalcEnv)).per_turn
+
+
+def test_a_rewriting_template_falls_back_to_one_segment_per_turn_with_the_prompt_the_engine_saw(caplog):
+    rewriting = rewriting_tokenizer()
+    turns = [said(rewriting, "<think>12 threes</think>" + call("12*3")), said(rewriting, "<think>so</think>36")]
+    engine = ScriptedEngine(rewriting, lambda t, k: turns[t])
+    with caplog.at_level("WARNING", logger="grpokit.rollout"):
+        runner = EpisodeRunner(engine, rewriting, EnvSpec(CalcEnv))          # auto
+    assert runner.per_turn and "own segment" in caplog.text
+    out = runner.run([{"prompt": "What is 12*3?", "answer": 36}], SamplingParams(n=1, max_new_tokens=400))
+    rec = out.episodes[0]
+    assert rec["stop_reason"] == "stop" and rec["turns"] == 2 and rec["env"].calls == ["12*3"]
+    segs = rec["segments"]
+    assert [ids for _, ids, _ in segs] == turns                       # the engine's ids, as sampled
+    assert [lp for _, _, lp in segs] == [pytest.approx([-0.01] * len(turns[0])), pytest.approx([-0.02] * len(turns[1]))]
+    # each turn's prompt is the template's own rendering of the conversation so far, which is what
+    # the engine was given, and the second one no longer holds the first turn's reasoning
+    chat = runner.chat
+    assert [p for p, _, _ in segs] == [engine.calls[0][0][0], engine.calls[1][0][0]]
+    assert segs[1][0] == chat.encode(chat.render(rec["messages"][:3], True))
+    assert "12 threes" not in rewriting.decode(segs[1][0]) and "12 threes" in rewriting.decode(out.completion_ids[0])
+    # the episode's row still shows the whole episode, its sampled tokens marked
+    row = out.completion_ids[0][out.action_mask[0].bool()].tolist()
+    assert row == turns[0] + turns[1]
 
 
 def test_tools_reach_a_template_without_tool_support_through_the_system_message(tok):

@@ -90,6 +90,42 @@ def test_one_advantage_per_episode_from_the_group_s_episode_rewards(setup):
         assert torch.allclose(adv[rows], want, atol=1e-6)
 
 
+def test_a_rewriting_template_trains_one_segment_per_turn_with_the_episode_s_advantage(setup, tmp_path):
+    from tests.rollout.test_episodes import rewriting_tokenizer
+
+    root, _, data, _ = setup
+    tok = rewriting_tokenizer()
+    model_dir = save_pretrained(build_tiny_model(tok, hidden=32, layers=2, heads=2, intermediate=64,
+                                                 max_positions=1024), tok, tmp_path / "model")
+    turns = {0: [said(tok, "<think>12 threes</think>" + call("12*3")), said(tok, "36")], 1: [said(tok, "I think 36")]}
+    engine = ScriptedEngine(tok, lambda t, k: turns[k][t])
+    torch.manual_seed(0)
+    cfg = load_config(None, small_overrides(model_dir, data, tmp_path / "run", **{
+        "rollout.group_size": 2, "rollout.batch_size": 4, "rollout.max_new_tokens": 300, "optim.micro_batch_size": 4,
+        "rewards": "[{name: test_text_length}]", "train.steps": 1, "algorithm.kl.beta": 0.1,
+        "algorithm.kl.controller": "fixed"}))
+    tr = build_run(cfg, engine=engine, env=EnvSpec(CalcEnv), health=False, report=False)
+    before = {n: p.detach().clone() for n, p in tr.worker.model.named_parameters()}
+    m = tr.step()
+    b = tr.last_batch
+    # 2 prompts x (an episode of two turns + one of one turn): six rows, each one turn as sampled
+    assert len(b) == 6 and b.episode_of.tolist() == [0, 0, 1, 2, 2, 3]
+    got = [b.completion_ids[i, :int(b.mask[i].sum())].tolist() for i in range(len(b))]
+    assert got == [turns[0][0], turns[0][1], turns[1][0]] * 2
+    assert torch.equal(b.loss_mask, b.mask) and torch.equal(b.action_mask, b.mask)
+    # the second turn's prompt is the template's rendering, which dropped the first turn's reasoning
+    assert "12 threes" not in tok.decode(b.prompt_ids[1]) and '"12*3"' in tok.decode(b.prompt_ids[1])
+    # one advantage per episode, from the group's episode rewards (not counted once per segment)
+    r = [float(b.rewards[i]) for i in (1, 2, 4, 5)]
+    assert r[0] != r[1]
+    for lo in (0, 3):
+        a_ep, b_ep = float(b.advantages[lo]), float(b.advantages[lo + 2])
+        assert float(b.advantages[lo + 1]) == a_ep
+        assert a_ep == pytest.approx(-b_ep, abs=1e-6) and abs(a_ep) == pytest.approx(2 ** -0.5, rel=1e-5)
+    assert m["completion/length_mean"] == pytest.approx(sum(len(t) for t in turns[0] + turns[1]) / 2)
+    assert any(not torch.equal(before[n], p) for n, p in tr.worker.model.named_parameters())
+
+
 def test_episodes_are_the_same_on_hf_and_hf_copy_and_train(setup):
     runs = {}
     for engine in ("hf", "hf_copy"):

@@ -1,7 +1,10 @@
 """Multi-turn episodes: environments and tools (env.py), tool-call parsing (parse.py), the token
-layer (chat.py) and the turn loop over any rollout engine (runner.py). docs/agents.md."""
+layer (chat.py), the turn loop over any rollout engine (runner.py), and agent loops users own
+(custom.py). docs/agents.md."""
 
+from grpokit.rollout.episodes.custom import EngineHandle, LoopRunner, Sampled, Trajectory
 from grpokit.rollout.episodes.env import EnvSpec, FunctionEnv, ToolPool, load_object
 from grpokit.rollout.episodes.runner import EpisodeRunner, EpisodeSettings, episode_metrics
 
-__all__ = ["EnvSpec", "EpisodeRunner", "EpisodeSettings", "FunctionEnv", "ToolPool", "episode_metrics", "load_object"]
+__all__ = ["EngineHandle", "EnvSpec", "EpisodeRunner", "EpisodeSettings", "FunctionEnv", "LoopRunner", "Sampled",
+           "ToolPool", "Trajectory", "episode_metrics", "load_object"]

@@ -10,14 +10,16 @@ into the next token, a `\\n` after the end-of-turn token that the model never ge
 sampled, and the log-probs the loss compares are those of the tokens the model actually produced.
 
 This is exact only for templates that render a history the same whether or not more turns follow
-(prefix-preserving). `prefix_preserving()` checks it on a probe conversation at the start of a run;
-a template that rewrites earlier turns (some thinking templates drop earlier reasoning) is refused
-with one line rather than silently re-tokenized.
+(prefix-preserving). `prefix_preserving()` checks it on a probe conversation at the start of a run.
+A template that rewrites earlier turns (some thinking templates drop earlier reasoning) is never
+silently re-tokenized: the runner either refuses it or, as asked, trains each assistant turn as its
+own segment with the prompt the engine was given for it (grpokit.rollout.episodes.runner).
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 from grpokit.errors import ConfigError
 
@@ -75,21 +77,26 @@ class ChatTokens:
         """The first prompt: the conversation so far and the assistant header."""
         return self.encode(self.render(messages, True))
 
-    def observation_ids(self, history: list[dict], new: list[dict], end_id: int | None) -> list[int]:
+    def observation_ids(self, history: list[dict], new: list[dict], end_id: int | None, *,
+                        strict: bool = True) -> list[int]:
         """The ids to append after an assistant turn (the last message of `history`, which ended with
         token `end_id`) so that the sequence continues with the `new` messages and the next assistant
-        header, exactly as the template renders them."""
+        header, exactly as the template renders them. `strict=False` (step-wise segments, where
+        these ids are only counted and shown): a template that rewrites earlier turns gives the
+        text after the part both renderings share."""
         before = self.render(history, False)
         after = self.render(history + new, True)
         if not after.startswith(before):
-            raise NotPrefixPreserving("the chat template rendered the earlier turns differently once an observation "
-                                      "was appended")
+            if strict:
+                raise NotPrefixPreserving("the chat template rendered the earlier turns differently once an "
+                                          "observation was appended")
+            before = os.path.commonprefix([before, after])
         text = (self.tails.get(end_id, "") if end_id is not None else "") + after[len(before):]
         if end_id is not None:                       # a template that ends the last turn only once more follows
             end = self.tok.decode([end_id])
             if end and text.startswith(end):
                 text = text[len(end):]
-        missing = [m["content"] for m in new if m.get("content") and m["content"].strip() not in text]
+        missing = [m["content"] for m in new if strict and m.get("content") and m["content"].strip() not in text]
         if missing:
             raise NotPrefixPreserving(f"the chat template dropped an observation ({missing[0][:60]!r}) from the "
                                       "conversation")
@@ -152,3 +159,4 @@ class ChatTokens:
         text = self.tok.apply_chat_template(probe, tokenize=False, add_generation_prompt=False)
         at = text.rfind(SENTINEL)
         return text[at + len(SENTINEL):] if at >= 0 else ""
+

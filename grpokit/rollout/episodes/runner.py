@@ -18,6 +18,15 @@ bounded pool (grpokit.rollout.episodes.env.ToolPool), then the next turn. Each e
 The engine is neutral: anything with `generate(prompt_ids, params, generator)` (grpokit.rollout.base).
 Each turn re-reads the whole episode (prompt + turns so far) as its prompt; the in-process engines
 prefill it again.
+
+Segments (`EpisodeSettings.segments`). With a prefix-preserving chat template an episode is one
+training sequence (`whole`). A template that rewrites earlier turns when one is appended (thinking
+templates that drop past reasoning) cannot give one sequence whose every turn is what the model was
+shown, so with `per_turn` (chosen by `auto` for such a template, and said at start) each turn is
+generated from the template's own rendering of the conversation so far and becomes its own training
+sample: that prompt, the turn's ids and log-probs as sampled. The record's `segments` holds them;
+the trainer turns an episode's row into its segments after scoring (grpokit.train.batch.to_segments),
+each carrying the episode's one advantage.
 """
 
 from __future__ import annotations
@@ -47,6 +56,9 @@ class EpisodeSettings:
     """An observation longer than this is cut in the middle (its start and end kept)."""
     tool_timeout_s: float = 10.0
     tool_workers: int = 4
+    segments: str = "auto"
+    """`whole` (one sequence per episode; a non-prefix-preserving template is refused), `per_turn`
+    (one training sample per assistant turn), or `auto` (`whole` when the template allows it)."""
 
 
 @dataclass
@@ -66,6 +78,7 @@ class Episode:
     obs_tokens: int = 0
     stop_reason: str | None = None
     final: str = ""
+    segments: list[tuple[list[int], list[int], list[float]]] = field(default_factory=list)
 
     def append(self, ids: list[int], logp: list[float] | None) -> None:
         self.ids += ids
@@ -89,10 +102,19 @@ class EpisodeRunner:
         self.settings = settings or EpisodeSettings()
         self.eos_ids = list(getattr(engine, "eos_ids", None) or [tokenizer.eos_token_id])
         self.chat = ChatTokens(tokenizer, spec.schemas, self.eos_ids)
-        if not self.chat.prefix_preserving():
+        mode = self.settings.segments
+        if mode not in ("auto", "whole", "per_turn"):
+            raise ConfigError(f"rollout.agent.segments must be auto, whole or per_turn, not {mode!r}")
+        preserving = mode == "per_turn" or self.chat.prefix_preserving()
+        if not preserving and mode == "whole":
             raise ConfigError("the tokenizer's chat template rewrites earlier turns when a turn is appended (not "
-                              "prefix-preserving), so an episode's tokens could not be kept as sampled; use a "
-                              "template that only appends (set one with tokenizer.chat_template)")
+                              "prefix-preserving), so an episode cannot be one sequence of the tokens as sampled; "
+                              "set rollout.agent.segments: per_turn (one training sample per turn) or use a "
+                              "template that only appends (tokenizer.chat_template)")
+        self.per_turn = mode == "per_turn" or not preserving
+        if self.per_turn and mode == "auto":
+            log.warning("the chat template rewrites earlier turns (not prefix-preserving): each assistant turn is "
+                        "trained as its own segment, with the prompt the template gave it (rollout.agent.segments)")
         self.pool = ToolPool(self.settings.tool_workers, self.settings.tool_timeout_s)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -128,15 +150,18 @@ class EpisodeRunner:
                 out = self.engine.generate([eps[i * G].prompt_ids for i in range(len(rows))],
                                            replace(one, n=G), generator)
             else:
-                out = self.engine.generate([e.prompt_ids + e.ids for e in live], one, generator)
+                contexts = [self._context(e) for e in live]
+                out = self.engine.generate(contexts, one, generator)
             lengths = out.completion_mask.sum(-1).tolist()
             self._resampled += int(out.resampled)
             if out.weights_version is not None:
                 self._versions.append(int(out.weights_version))
             for k, e in enumerate(live):
                 n = min(int(lengths[k]), budget - len(e.ids))
-                ids = out.completion_ids[k, :n].tolist()
-                e.append(ids, out.sampler_logprobs[k, :n].tolist())
+                ids, logp = out.completion_ids[k, :n].tolist(), out.sampler_logprobs[k, :n].tolist()
+                if self.per_turn:
+                    e.segments.append((e.prompt_ids if shared else contexts[k], ids, logp))
+                e.append(ids, logp)
                 e.turns += 1
                 e.final = self.tok.decode(ids[:-1] if ids and ids[-1] in self.eos_ids else ids)
                 e.messages.append({"role": "assistant", "content": e.final})
@@ -146,6 +171,17 @@ class EpisodeRunner:
             self._observe([e for e in live if e.stop_reason is None])
             turn += 1
         return self._batch(eps)
+
+    def _context(self, e: Episode) -> list[int]:
+        """The prompt of an episode's next turn: its ids so far, or (per-turn segments) the
+        template's rendering of the conversation so far with the assistant header."""
+        if not self.per_turn:
+            return e.prompt_ids + e.ids
+        try:
+            return self.chat.prompt_ids(e.messages)
+        except Exception as exc:  # noqa: BLE001 - the template cannot render this conversation
+            raise ConfigError(f"multi-turn episode: the chat template failed on the conversation "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
 
     def _observe(self, eps: list[Episode]) -> None:
         """Each episode's observation for its last turn (every episode's calls at once, in the
@@ -207,7 +243,7 @@ class EpisodeRunner:
             e.stop_reason = "max_turns"
             return
         try:
-            delta = self.chat.observation_ids(e.messages, msgs, e.ids[-1] if e.ids else None)
+            delta = self.chat.observation_ids(e.messages, msgs, e.ids[-1] if e.ids else None, strict=not self.per_turn)
         except NotPrefixPreserving as exc:
             raise ConfigError(f"multi-turn episode: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - the template cannot render this conversation
@@ -245,6 +281,9 @@ class EpisodeRunner:
             if e.stop_reason is None:                 # cannot happen: every loop iteration ends some
                 e.stop_reason = "length"
         records = [e.record() for e in eps]
+        if self.per_turn:
+            for r, e in zip(records, eps):
+                r["segments"] = e.segments
         rewards = (self.pool.run([[("the environment's reward()", e.env.reward)] for e in eps])
                    if self.spec.has_reward else [[(None, None)] for _ in eps])
         for r, [(value, err)] in zip(records, rewards):
