@@ -56,6 +56,55 @@ def partial_credit(prompts, completions, answer=None, **_):
     return out
 
 
+# ------------------------------------------------------------------------- the agent configuration
+# The multi-turn configuration (SmolLM2 with a calculator tool, `--variants agent`): the tool and the
+# reward both sides use. The TRL environment has no grpokit, so the tool's evaluator is written here
+# with the standard library (grpokit.tasks.calculator has the project's own).
+AGENT_PROMPTS_PER_STEP = 4
+AGENT_MAX_TURNS = 3
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression and return its value.
+
+    Args:
+        expression: numbers with + - * / and parentheses, e.g. "37 * 48 + 5"
+    """
+    import ast
+    import operator
+
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+    def ev(node):
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            return ops[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -ev(node.operand)
+        raise ValueError("only numbers, + - * / and parentheses")
+
+    if len(expression) > 200:
+        raise ValueError("too long")
+    v = ev(ast.parse(expression, mode="eval").body)
+    return str(int(v) if float(v).is_integer() else round(v, 6))
+
+
+def boxed_match(prompts, completions, answer=None, **_):
+    """1 when the last \\boxed{} of the final assistant turn holds the answer, else 0 (a completion
+    given as chat messages, TRL's, is read at its last assistant message)."""
+    import re
+
+    out = []
+    for c, a in zip(completions, answer if answer is not None else [None] * len(completions)):
+        if isinstance(c, list):
+            said = [m.get("content") or "" for m in c if m.get("role") == "assistant"]
+            c = said[-1] if said else ""
+        found = re.findall(r"\\boxed\{([^{}]*)\}", str(c))
+        out.append(float(bool(found) and found[-1].strip() == str(a).strip()))
+    return out
+
+
 # ------------------------------------------------------------------------------------------- FLOPs
 @dataclass(frozen=True)
 class Dims:

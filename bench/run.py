@@ -15,7 +15,9 @@ What it does (docs/performance.md has the latest table):
   4. writes bench/results/<date>-<host>.json and .md, and the table into docs/performance.md.
 
 Variants: `eos` stops a completion at EOS (lengths vary); `fixed` ignores EOS, so every step has
-the same token count (grpokit: rollout.ignore_eos; TRL: min_new_tokens = max new tokens).
+the same token count (grpokit: rollout.ignore_eos; TRL: min_new_tokens = max new tokens); `agent`
+(SmolLM2 only) runs multi-turn episodes with a calculator tool on both sides (grpokit:
+rollout.tools; TRL: `tools=` and its tool-call loop), from the calculator example's warm start.
 """
 
 from __future__ import annotations
@@ -47,25 +49,32 @@ BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 # stay large) and keep the activation memory small. TRL: the whole batch of 64 at once (its fastest;
 # its default gradient checkpointing is off).
 GRPOKIT_MICRO = {("small", 16): 64, ("small", 64): 32, ("large", 16): 16, ("large", 64): 8, ("smollm2", 64): 8}
-TRL_MICRO = {"smollm2": 16}          # others: 64. SmolLM2's 49,152-token vocabulary: 64 sequences of
+TRL_MICRO = {"smollm2": 16, "smollm2-agent": 8}   # others: 64. The agent configuration at 16 passed 12 GB and
+                                     # was killed for memory beside grpokit's side on a 24 GB machine. SmolLM2's 49,152-token vocabulary: 64 sequences of
                                      # ~110 tokens hold 1.4 GB of logits per copy; 16 keeps TRL's peak sane
 REAL_MODELS = {"smollm2": [64]}      # real models and the new-token counts they run at
+AGENT = ("smollm2", 96)              # the `agent` variant: multi-turn episodes with a calculator tool,
+                                     # 96 tokens per episode over all its turns (examples/smollm2_calculator.yaml)
 
 
 def configurations(sizes: list[str], lengths: list[int], variants: list[str]) -> list[tuple[str, int, str]]:
     """The matrix: every size x length x variant, a real model at its own lengths only."""
-    return [(size, T, v) for size in sizes for T in lengths for v in variants
-            if size not in REAL_MODELS or T in REAL_MODELS[size]]
+    out = [(size, T, v) for size in sizes for T in lengths for v in variants if v != "agent"
+           if size not in REAL_MODELS or T in REAL_MODELS[size]]
+    return out + ([(*AGENT, "agent")] if "agent" in variants and AGENT[0] in sizes else [])
 
 
-def data_file(work: Path, size: str) -> Path:
+def data_file(work: Path, size: str, variant: str = "") -> Path:
+    if variant == "agent":
+        return work / "prompts-agent.jsonl"
     return work / ("prompts-smollm2.jsonl" if size == "smollm2" else "prompts.jsonl")
 
 
 # ------------------------------------------------------------------------------------- preparation
-def prepare(work: Path, sizes: list[str]) -> tuple[dict, dict]:
+def prepare(work: Path, sizes: list[str], agent_python: str | None = None) -> tuple[dict, dict]:
     """Seeded models and prompts under `work` (nothing downloaded). Returns ({size: Dims},
-    {size: why it is skipped})."""
+    {size: why it is skipped}). `agent_python`: the TRL environment's Python, to read the chat
+    template of the agent configuration from (its model is then prepared too)."""
     import torch
     from grpokit.tasks.arithmetic import ArithmeticTask
     from grpokit.tasks.tiny import build_char_tokenizer, build_tiny_model, save_pretrained
@@ -88,6 +97,14 @@ def prepare(work: Path, sizes: list[str]) -> tuple[dict, dict]:
                 path.symlink_to(smollm2.convert(), target_is_directory=True)
             smollm2.write_prompts(data_file(work, size), 512, common.SEED)
             dims[size], dims[size + "_params"] = real_dims(path)
+            if agent_python:
+                template = subprocess.run(
+                    [agent_python, "-c", "from trl.chat_template_utils import qwen2_5_chat_template as t; print(t, end='')"],
+                    capture_output=True, text=True, check=True).stdout
+                agent_dir, _ = smollm2.prepare_agent(work, path, template, common.SEED)
+                link = work / "model-smollm2-agent"
+                link.unlink(missing_ok=True)
+                link.symlink_to(agent_dir.name, target_is_directory=True)
             continue
         s = common.SIZES[size]
         path = work / f"model-{size}"
@@ -186,16 +203,20 @@ class Side:
 
 
 def run_config(size: str, T: int, variant: str, work: Path, steps: int, pythons: dict) -> dict:
-    common_argv = ["--model", str(work / f"model-{size}"), "--data", str(data_file(work, size)),
-                   "--max-new-tokens", str(T), "--steps", str(steps)] + (["--fixed-length"] if variant == "fixed" else [])
+    agent = variant == "agent"
+    model = work / (f"model-{size}-agent" if agent else f"model-{size}")
+    common_argv = ["--model", str(model), "--data", str(data_file(work, size, variant)),
+                   "--max-new-tokens", str(T), "--steps", str(steps)] + (["--fixed-length"] if variant == "fixed" else []) \
+        + (["--agent"] if agent else [])
     tag = f"{size}-{T}-{variant}"
     sides = {
         "grpokit": Side("grpokit", pythons["grpokit"], "side_grpokit.py",
                         common_argv + ["--micro-batch", str(GRPOKIT_MICRO.get((size, T), 16)), "--run-dir", str(work / "runs" / f"grpokit-{tag}")]
-                        + (["--decode-check"] if size in REAL_MODELS else []),
+                        + (["--decode-check"] if size in REAL_MODELS and not agent else []),
                         work / "logs" / f"grpokit-{tag}.log"),
         "trl": Side("trl", pythons["trl"], "side_trl.py",
-                    common_argv + ["--micro-batch", str(TRL_MICRO.get(size, 64)), "--run-dir", str(work / "runs" / f"trl-{tag}")],
+                    common_argv + ["--micro-batch", str(TRL_MICRO.get(f"{size}-agent" if agent else size, 64)),
+                                   "--run-dir", str(work / "runs" / f"trl-{tag}")],
                     work / "logs" / f"trl-{tag}.log"),
     }
     out = {name: {"ready": s.read("ready"), "steps": []} for name, s in sides.items()}
@@ -213,11 +234,16 @@ def run_config(size: str, T: int, variant: str, work: Path, steps: int, pythons:
 
 
 # ------------------------------------------------------------------------------------------ report
-def summarise(side: dict, dims: common.Dims, warmup: int, peak: float) -> dict:
+def summarise(side: dict, dims: common.Dims, warmup: int, peak: float, agent: bool = False) -> dict:
+    """One side's figures. `agent`: multi-turn episodes, whose tokens are the policy's sampled tokens
+    over all turns (observations not counted); their FLOPs are not counted (each turn's prefill of
+    the episode so far depends on the engine), so the FLOP fields are NaN there."""
     steps = side["steps"][warmup:]
     wall = [s["step_s"] for s in steps]
     toks = sum(sum(s["completion_lens"]) for s in steps)
-    flops = [common.step_flops(dims, s["prompt_lens"], s["completion_lens"], common.GROUP_SIZE) for s in steps]
+    nan = {"total": float("nan"), "generation": float("nan")}
+    flops = [nan if agent else common.step_flops(dims, s["prompt_lens"], s["completion_lens"], common.GROUP_SIZE)
+             for s in steps]
     total_s = sum(wall)
     fl = sum(f["total"] for f in flops)
     return {
@@ -236,6 +262,7 @@ def summarise(side: dict, dims: common.Dims, warmup: int, peak: float) -> dict:
         "generation_flop_per_s": sum(f["generation"] for f in flops) / max(sum(s["generation_s"] for s in steps), 1e-9),
         "settings": side["ready"]["settings"],
         "decode_check": side["ready"].get("decode_check"),
+        "tool_calls_per_step": (statistics.median(s.get("tool_calls", 0) for s in steps) if agent else None),
     }
 
 
@@ -247,11 +274,12 @@ def fmt_table(results: list[dict], peak: float) -> str:
         g, t = r["grpokit"], r["trl"]
         for name, s in (("grpokit", g), ("TRL", t)):
             ratio = name == "grpokit"
+            flop = "–" if r["variant"] == "agent" else f"{100 * s['flop_frac_of_peak']:.0f}%"
             rows.append(
                 f"| {r['size']} | {r['max_new_tokens']} | {r['variant']} | {name} "
                 f"| {s['step_s_median']:.2f} ({s['step_s_min']:.2f}–{s['step_s_max']:.2f}) | {s['tokens_per_s']:.0f} "
                 f"| {s['generation_s']:.2f} | {s['reward_s'] + s['reference_s']:.2f} | {s['update_s']:.2f} "
-                f"| {s['peak_rss_mb']:.0f} | {100 * s['flop_frac_of_peak']:.0f}% "
+                f"| {s['peak_rss_mb']:.0f} | {flop} "
                 + (f"| **{g['tokens_per_s'] / t['tokens_per_s']:.2f}×** | {g['step_s_median'] / t['step_s_median']:.2f} "
                    f"| {g['peak_rss_mb'] / t['peak_rss_mb']:.2f} |" if ratio else "| | | |"))
     rows.append("")
@@ -260,6 +288,14 @@ def fmt_table(results: list[dict], peak: float) -> str:
                 f"reference forward, policy forward + backward) against the measured float32 matmul peak of "
                 f"{peak / 1e9:.0f} GFLOP/s.")
     for r in results:
+        if r["variant"] == "agent":
+            rows.append("")
+            rows.append(f"{r['size']}/{r['max_new_tokens']}/agent: multi-turn episodes with a calculator tool "
+                        f"(the calculator example's task and warm start, Qwen2.5's tool template on both sides, "
+                        f"{common.AGENT_PROMPTS_PER_STEP} prompts x G = {common.GROUP_SIZE}, up to "
+                        f"{common.AGENT_MAX_TURNS} turns and {r['max_new_tokens']} tokens per episode); tok/s counts "
+                        f"the tokens the policy sampled, observations not; tool calls per step (median): grpokit "
+                        f"{r['grpokit']['tool_calls_per_step']:.0f}, TRL {r['trl']['tool_calls_per_step']:.0f}.")
         d = r["grpokit"].get("decode_check")
         if d:
             rows.append("")
@@ -277,6 +313,9 @@ def targets(results: list[dict]) -> list[str]:
         tr = g["tokens_per_s"] / t["tokens_per_s"]
         rss = g["peak_rss_mb"] / t["peak_rss_mb"]
         name = f"{r['size']}/{r['max_new_tokens']}/{r['variant']}"
+        if r["variant"] == "agent":
+            lines.append(f"- {name}: tok/s {tr:.2f}× against TRL's tool loop (target ≥ 2×) {'met' if tr >= 2 else 'MISSED'}")
+            continue
         if r["size"] in REAL_MODELS:
             d = g.get("decode_check") or {}
             lines.append(f"- {name}: tok/s {tr:.2f}× (target ≥ 2×) {'met' if tr >= 2 else 'MISSED'}")
@@ -297,7 +336,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="small,large,smollm2")
     ap.add_argument("--lengths", default="16,64")
-    ap.add_argument("--variants", default="eos,fixed")
+    ap.add_argument("--variants", default="eos,fixed,agent")
     ap.add_argument("--configs", default="", help="explicit SIZE-TOKENS-VARIANT list (e.g. small-16-eos,large-64-fixed) "
                     "instead of the full matrix")
     ap.add_argument("--steps", type=int, default=common.STEPS, help="measured steps (after the warm-up)")
@@ -318,7 +357,7 @@ def main() -> None:
     unknown = [s for s in sizes if s not in known]
     if unknown:
         ap.error(f"unknown model size {unknown[0]!r}; known: {', '.join(known)}")
-    dims, skipped = prepare(work, sizes)
+    dims, skipped = prepare(work, sizes, args.trl_python if any(c[2] == "agent" for c in configs) else None)
     for size, reason in skipped.items():
         print(f"skipping the {size} configurations: {reason}", flush=True)
     configs = [c for c in configs if c[0] not in skipped]
@@ -334,8 +373,8 @@ def main() -> None:
     for size, T, variant in configs:
         raw = run_config(size, T, variant, work, steps, pythons)
         results.append({"size": size, "max_new_tokens": T, "variant": variant,
-                        "grpokit": summarise(raw["grpokit"], dims[size], common.WARMUP_STEPS, peak),
-                        "trl": summarise(raw["trl"], dims[size], common.WARMUP_STEPS, peak),
+                        "grpokit": summarise(raw["grpokit"], dims[size], common.WARMUP_STEPS, peak, variant == "agent"),
+                        "trl": summarise(raw["trl"], dims[size], common.WARMUP_STEPS, peak, variant == "agent"),
                         "raw": raw})
     peaks.append(matmul_peak())                              # measured again at the end: the better one
     peak = max(p["peak"] for p in peaks)
@@ -362,7 +401,7 @@ def main() -> None:
     lines = targets(results)
     out = HERE / "results"
     out.mkdir(exist_ok=True)
-    stem = f"{meta['date']}-{meta['host']}"
+    stem = f"{meta['date']}-{meta['host']}" + (f"-{args.configs.replace(',', '_')}" if args.configs else "")
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     md = (f"{meta['date']} on {meta['host']} ({meta['cpu']}, {meta['cores']} cores; 1-minute load average "
           f"{load_start[0]:.1f} at the start, {meta['load_average']['end'][0]:.1f} at the end), torch {meta['torch']}, "

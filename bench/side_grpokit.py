@@ -30,16 +30,21 @@ def build(args):
     from grpokit.train import build_run
 
     register("bench_partial_credit")(common.partial_credit)
-    n = common.PROMPTS_PER_STEP * common.GROUP_SIZE
+    register("bench_boxed_match")(common.boxed_match)
+    n = (common.AGENT_PROMPTS_PER_STEP if args.agent else common.PROMPTS_PER_STEP) * common.GROUP_SIZE
+    # the agent configuration: the calculator tool (bench/common.py, on sys.path), the example's limits
+    agent = {"tools": ["common:calculator"],
+             "agent": {"max_turns": common.AGENT_MAX_TURNS, "max_observation_tokens": 64, "tool_timeout_s": 5}} \
+        if args.agent else {}
     cfg = config_from_dict({
         "model": {"path": args.model, "dtype": "float32", "device": "cpu", "gradient_checkpointing": False},
         "data": {"path": args.data},
         "rollout": {"group_size": common.GROUP_SIZE, "batch_size": n, "temperature": common.TEMPERATURE,
-                    "max_new_tokens": args.max_new_tokens, "ignore_eos": args.fixed_length},
+                    "max_new_tokens": args.max_new_tokens, "ignore_eos": args.fixed_length, **agent},
         "algorithm": {"advantage": "grpo", "loss_agg": "token_mean", "mu": 1, "mini_batches": 1,
                       "eps_low": common.EPSILON, "eps_high": common.EPSILON,
                       "kl": {"beta": common.BETA, "estimator": "k3", "controller": "fixed"}},
-        "rewards": [{"name": "bench_partial_credit"}],
+        "rewards": [{"name": "bench_boxed_match" if args.agent else "bench_partial_credit"}],
         "optim": {"lr": common.LR, "max_grad_norm": common.MAX_GRAD_NORM, "micro_batch_size": args.micro_batch},
         "train": {"steps": args.steps, "seed": common.SEED, "run_dir": args.run_dir,
                   "save_every": 0, "sample_every": 0, "progress": False},
@@ -125,6 +130,7 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=64)
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--steps", type=int, default=common.WARMUP_STEPS + common.STEPS)
+    ap.add_argument("--agent", action="store_true", help="multi-turn episodes with the calculator tool")
     ap.add_argument("--decode-check", action="store_true",
                     help="time a decoding step against its matmuls alone (decode_check) before the steps")
     args = ap.parse_args()
@@ -156,6 +162,7 @@ def main() -> None:
             "prompt_lens": [len(p) for p in batch.prompt_ids],
             "completion_lens": batch.lengths.tolist(),
             "rss_mb": common.peak_rss_mb(),
+            "tool_calls": m.get("agent/tool_calls", 0.0),
         }
 
     import torch

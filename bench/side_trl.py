@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=64)
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--steps", type=int, default=common.WARMUP_STEPS + common.STEPS)
+    ap.add_argument("--agent", action="store_true", help="multi-turn episodes with the calculator tool (tools=)")
     args = ap.parse_args()
     t0 = time.perf_counter()
 
@@ -42,14 +43,15 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     with open(args.data) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    n = common.PROMPTS_PER_STEP * common.GROUP_SIZE
-    accum = n // args.micro_batch
+    n = (common.AGENT_PROMPTS_PER_STEP if args.agent else common.PROMPTS_PER_STEP) * common.GROUP_SIZE
+    micro = min(args.micro_batch, n)
+    accum = n // micro
     gen_kwargs = {"min_new_tokens": args.max_new_tokens} if args.fixed_length else None
     cfg = GRPOConfig(
         output_dir=args.run_dir, report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True,
         use_cpu=True, bf16=False, fp16=False, seed=common.SEED,
         max_steps=args.steps,
-        per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=accum,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
         num_generations=common.GROUP_SIZE, max_completion_length=args.max_new_tokens,
         temperature=common.TEMPERATURE, beta=common.BETA, epsilon=common.EPSILON,
         learning_rate=common.LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
@@ -57,8 +59,10 @@ def main() -> None:
         # TRL's defaults turn gradient checkpointing on: off is faster and fits in memory here
         gradient_checkpointing=False,
         generation_kwargs=gen_kwargs, log_completions=False, dataloader_num_workers=0,
+        # the agent configuration: turns after the first are tool-calling iterations
+        **({"max_tool_calling_iterations": common.AGENT_MAX_TURNS - 1} if args.agent else {}),
     )
-    settings = {"per_device_train_batch_size": args.micro_batch, "gradient_accumulation_steps": accum,
+    settings = {"per_device_train_batch_size": micro, "gradient_accumulation_steps": accum,
                 "gradient_checkpointing": False, "bf16": False, "optim": str(cfg.optim),
                 "generation": "model.generate (transformers, DynamicCache)",
                 "fixed_length": "generation_kwargs min_new_tokens" if args.fixed_length else None,
@@ -94,10 +98,11 @@ def main() -> None:
                 "update_s": wall - state["prep"], "grad_norm": float(logs["grad_norm"]),
                 "reward_std": float(logs.get("reward_std", float("nan"))),
                 "prompt_lens": state["plens"], "completion_lens": state["clens"],
-                "rss_mb": common.peak_rss_mb()}})
+                "rss_mb": common.peak_rss_mb(), "tool_calls": float(logs.get("tools/call_frequency", 0.0)) * n}})
 
-    trainer = GRPOTrainer(model=model, reward_funcs=[common.partial_credit], args=cfg, train_dataset=Dataset.from_list(rows),
-                          processing_class=tok, callbacks=[Phase()])
+    trainer = GRPOTrainer(model=model, reward_funcs=[common.boxed_match if args.agent else common.partial_credit],
+                          args=cfg, train_dataset=Dataset.from_list(rows), processing_class=tok, callbacks=[Phase()],
+                          **({"tools": [common.calculator]} if args.agent else {}))
 
     def timed(name, fn, after=None):
         def wrapper(*a, **k):
@@ -110,9 +115,10 @@ def main() -> None:
         return wrapper
 
     def lens(out):
-        prompt_ids, completion_ids = out[0], out[1]
+        prompt_ids, completion_ids, tool_mask = out[0], out[1], out[2]
         state["plens"] += [len(p) for p in prompt_ids]
-        state["clens"] += [len(c) for c in completion_ids]
+        # with tools, the tokens the policy sampled (tool_mask 1), tool results not counted
+        state["clens"] += ([sum(m) for m in tool_mask] if tool_mask is not None else [len(c) for c in completion_ids])
 
     trainer._generate = timed("gen", trainer._generate, lens)
     trainer._calculate_rewards = timed("reward", trainer._calculate_rewards)

@@ -55,3 +55,38 @@ def write_prompts(path: Path, n: int, seed: int) -> None:
         lines.append(json.dumps({"prompt": [{"role": "user", "content": question}],
                                  "answer": str(a + b if op == "+" else a - b)}))
     path.write_text("\n".join(lines) + "\n")
+
+
+def prepare_agent(work: Path, src: Path, chat_template: str, seed: int) -> tuple[Path, Path]:
+    """The agent configuration's model and prompts: SmolLM2 given `chat_template` (a ChatML template
+    that renders tools and that TRL's tool loop can parse: Qwen2.5's, read from the TRL install by
+    the caller), after the calculator example's short warm start (2 steps on scripted episodes,
+    examples/smollm2_calculator.py), so that it calls the tool in some episodes and not in others;
+    and calculator problems (grpokit.tasks.calculator) as chat prompts. Built once per template."""
+    import hashlib
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from examples.smollm2_calculator import scripted_pairs
+    from grpokit.rollout.episodes import EnvSpec
+    from grpokit.rollout.episodes.chat import ChatTokens
+    from grpokit.tasks.calculator import CalculatorTask
+    from grpokit.train.sft import sft
+
+    import common
+
+    tag = hashlib.sha256(chat_template.encode()).hexdigest()[:8]
+    model_dir, data = work / f"model-smollm2-agent-{tag}", work / "prompts-agent.jsonl"
+    rows = CalculatorTask(seed=seed, train_size=512).train
+    data.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in rows))
+    if (model_dir / "config.json").is_file():
+        return model_dir, data
+    tok = AutoTokenizer.from_pretrained(src)
+    tok.chat_template = chat_template
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    chat = ChatTokens(tok, EnvSpec(tools=[common.calculator]).schemas)
+    sft(model, tok, scripted_pairs(chat, rows), steps=2, batch_size=8, lr=1.5e-4, warmup=3, seed=seed)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    tok.save_pretrained(model_dir)
+    return model_dir, data

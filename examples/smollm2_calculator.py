@@ -1,6 +1,6 @@
 """The multi-turn recipe: GRPO teaches SmolLM2-135M-Instruct to use a calculator tool, on a CPU.
 
-    python examples/smollm2_calculator.py [--seed 0] [--max-minutes 30] [--warm-seconds 60] [key=value ...]
+    python examples/smollm2_calculator.py [--seed 0] [--max-minutes 30] [--warm-steps 2] [--warm-lr 1.5e-4] [key=value ...]
 
 (`make example-agent SEED=1 MINUTES=30`.) Steps:
 
@@ -24,7 +24,6 @@ import argparse
 import json
 import logging
 import random
-import re
 import sys
 import time
 from pathlib import Path
@@ -36,15 +35,6 @@ PRESET = HERE / "smollm2_calculator.yaml"
 log = logging.getLogger("grpokit.example")
 
 
-def expression_of(question: str) -> str:
-    """The arithmetic a calculator call needs for one of the task's questions."""
-    m = re.search(r"What is (.+)\?", question)
-    if m:
-        return m.group(1)
-    boxes, each = re.findall(r"\d+", question)[:2]
-    return f"{boxes} * {each}"
-
-
 def scripted_pairs(chat, rows: list[dict]):
     """`pairs_fn` for grpokit.train.sft: (prompt, completion) texts of both turns of a scripted episode."""
     from grpokit.tasks.calculator import calculate
@@ -53,7 +43,7 @@ def scripted_pairs(chat, rows: list[dict]):
         out = []
         for _ in range(n):
             row = rng.choice(rows)
-            expr = expression_of(row["question"])
+            expr = row["expression"]
             call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "' + expr + '"}}\n</tool_call>'
             convo = [dict(m) for m in row["prompt"]]
             if rng.random() < 0.5:
@@ -78,7 +68,7 @@ def pass_at_1(trainer, datasets: dict, episodes) -> dict[str, float]:
     return out
 
 
-def run(seed: int, max_minutes: float | None, warm_seconds: float, run_dir: str, overrides: list[str]) -> dict:
+def run(seed: int, max_minutes: float | None, warm_steps: int, warm_lr: float, run_dir: str, overrides: list[str]) -> dict:
     from grpokit.config import load_config
     from grpokit.data.datasets import PromptDataset
     from grpokit.models.gguf import resolve_model_dir
@@ -100,8 +90,8 @@ def run(seed: int, max_minutes: float | None, warm_seconds: float, run_dir: str,
     no_tool = pass_at_1(trainer, splits, None)
     start = pass_at_1(trainer, splits, runner)
     train_rows = [json.loads(x) for x in paths["train"].read_text().splitlines()]
-    warm = sft(trainer.worker.model, trainer.tokenizer, scripted_pairs(runner.chat, train_rows), seconds=warm_seconds,
-               batch_size=8, lr=1e-4, warmup=3, seed=seed)
+    warm = sft(trainer.worker.model, trainer.tokenizer, scripted_pairs(runner.chat, train_rows), steps=warm_steps,
+               batch_size=8, lr=warm_lr, warmup=3, seed=seed)
     log.info("warm start: %d steps in %.0f s, loss %.3f", warm["steps"], warm["seconds"], warm["loss"])
     before = pass_at_1(trainer, splits, runner)
     t0 = time.perf_counter()
@@ -133,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-minutes", type=float, default=None, help="GRPO's time budget (default: the preset's 30)")
-    p.add_argument("--warm-seconds", type=float, default=60.0, help="the supervised warm start's time")
+    p.add_argument("--warm-steps", type=int, default=2, help="optimizer steps of the supervised warm start")
+    p.add_argument("--warm-lr", type=float, default=1.5e-4, help="the warm start's peak learning rate")
     p.add_argument("--run-dir", default="runs/example-agent")
     p.add_argument("overrides", nargs="*", help="key=value overrides of examples/smollm2_calculator.yaml")
     args = p.parse_args(argv)
@@ -145,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()
     try:
-        s = run(args.seed, args.max_minutes, args.warm_seconds, args.run_dir, args.overrides)
+        s = run(args.seed, args.max_minutes, args.warm_steps, args.warm_lr, args.run_dir, args.overrides)
     except _user_errors() as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

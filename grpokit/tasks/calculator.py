@@ -1,9 +1,11 @@
 """Calculator episodes: arithmetic a small model cannot do in its head, and a calculator tool.
 
-Problems (seeded, as grpokit.tasks.chat_arith): products of a 2-digit and a 2- or 3-digit number,
-three-operand expressions with a product in them, and short word problems over the same numbers.
-The `harder` split has larger operands. Each row is one user turn asking for the final answer in
-`\\boxed{}`, with the integer `answer`.
+Problems (seeded, as grpokit.tasks.chat_arith) in five shapes over 2-digit numbers: a product, a
+product plus or minus a number, a sum of two products, an equal share. Each is asked either bare
+("What is 37 * 48 + 5?") or as a short word problem (boxes of items, a purchase of two kinds, what
+is left after a gift, sharing among friends) whose expression the model has to compose from the
+sentences. The `harder` split has 3-digit operands. Each row is one user turn asking for the final
+answer in `\\boxed{}`, with the integer `answer` and the `expression` that computes it.
 
 `CalculatorEnv` (`rollout.env: grpokit.tasks.calculator:CalculatorEnv`) offers one tool,
 `calculator(expression)`, which evaluates +, -, *, / and parentheses over integers and decimals with
@@ -69,31 +71,44 @@ class CalculatorEnv:
         return calculate(expression)
 
 
-Problem = tuple[str, int]
+Problem = tuple[str, int, str]   # question, answer, the expression a calculator call needs
 
 
-def _product(rng: random.Random, lo: int, hi: int) -> Problem:
-    a, b = rng.randint(lo, hi), rng.randint(lo, hi * (10 if rng.random() < 0.4 else 1))
-    return f"What is {a} * {b}?", a * b
+# The five shapes: (the expression, the word problem asking for it); `ab` is a * b.
+_SHAPES = [
+    ("{a} * {b}", "{who} has {a} boxes of {item} with {b} {item} in each box. How many {item} does {who} have?"),
+    ("{a} * {b} + {c}", "{who} has {a} bags with {b} {item} in each bag, and {c} more {item} on the desk. "
+                        "How many {item} does {who} have in all?"),
+    ("{a} * {b} - {c}", "{who} fills {a} jars with {b} {item} each, then gives away {c} {item}. "
+                        "How many {item} are left?"),
+    ("{a} * {b} + {c} * {d}", "{who} buys {a} {item} at {b} cents each and {c} {other} at {d} cents each. "
+                              "How many cents does {who} spend?"),
+    ("{ab} / {b}", "{ab} {item} are shared equally among {b} friends. How many {item} does each friend get?"),
+]
 
 
-def _three(rng: random.Random, lo: int, hi: int) -> Problem:
-    a, b, c = rng.randint(lo, hi), rng.randint(lo, hi), rng.randint(lo, hi * 5)
-    if rng.random() < 0.5:
-        return f"What is {a} * {b} + {c}?", a * b + c
-    return f"What is {a} * {b} - {c}?", a * b - c
+def _direct(rng: random.Random, lo: int, hi: int) -> Problem:
+    """A bare expression in one of the shapes ("What is 37 * 48 + 5?")."""
+    a, b, c, d = (rng.randint(lo, hi) for _ in range(4))
+    expr = _SHAPES[rng.randrange(len(_SHAPES))][0].format(a=a, b=b, c=c, d=d, ab=a * b)
+    return f"What is {expr}?", int(calculate(expr)), expr
 
 
 def _word(rng: random.Random, lo: int, hi: int) -> Problem:
-    who, item = rng.choice(NAMES), rng.choice(ITEMS)
-    boxes, each = rng.randint(lo, hi), rng.randint(lo, hi)
-    return (f"{who} has {boxes} boxes of {item} with {each} {item} in each box. "
-            f"How many {item} does {who} have?", boxes * each)
+    """A short word problem whose calculator expression has to be composed from its sentences."""
+    who, item, other = rng.choice(NAMES), *rng.sample(ITEMS, 2)
+    a, b, c, d = (rng.randint(lo, hi) for _ in range(4))
+    expr_fmt, question = _SHAPES[rng.randrange(len(_SHAPES))]
+    v = dict(a=a, b=b, c=c, d=d, ab=a * b, who=who, item=item, other=other)
+    expr = expr_fmt.format(**v)
+    return question.format(**v), int(calculate(expr)), expr
 
 
 @dataclass
 class CalculatorTask:
-    """Seeded, distinct splits: `train`, `heldout` and `harder` (larger operands)."""
+    """Seeded, distinct splits `train`, `heldout` and `harder` (3-digit operands), a share
+    `word_frac` of each split word problems and the rest bare expressions. Rows carry the
+    `expression` a right call needs."""
 
     seed: int = 0
     train_size: int = 2000
@@ -102,8 +117,7 @@ class CalculatorTask:
     low: int = 12
     high: int = 99
     hard_high: int = 999
-    word_frac: float = 0.2
-    three_frac: float = 0.3
+    word_frac: float = 0.5
 
     def __post_init__(self):
         rng = random.Random(self.seed)
@@ -115,14 +129,12 @@ class CalculatorTask:
                 tries += 1
                 if tries > 100 * n + 1000:
                     raise ValueError(f"cannot draw {n} distinct {split} problems")
-                u = rng.random()
-                q, a = (_word(rng, lo, hi) if u < self.word_frac else
-                        _three(rng, lo, hi) if u < self.word_frac + self.three_frac else _product(rng, lo, hi))
+                q, a, expr = (_word if rng.random() < self.word_frac else _direct)(rng, lo, hi)
                 if q in seen:
                     continue
                 seen.add(q)
                 rows.append({"prompt": [{"role": "user", "content": f"{q} {INSTRUCTION}"}], "answer": str(a),
-                             "question": q, "split": split})
+                             "question": q, "expression": expr, "split": split})
             return rows
 
         self.heldout = draw(self.heldout_size, "heldout", self.low, self.high)

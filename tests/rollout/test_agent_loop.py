@@ -186,3 +186,24 @@ def test_the_api_takes_a_loop_function(tmp_path):
     assert len(calls) == 4 and set(map(str, calls)) <= {"36", "56"}
     with pytest.raises(ConfigError, match="not both"):
         GRPO(model=str(model_dir), rewards=["env"], dataset=rows, agent_loop=my_loop, tools=[len])
+
+
+def test_an_engine_failure_reaches_the_caller_and_frees_the_episodes(tok):
+    class Failing:
+        def generate(self, prompt_ids, params, generator=None):
+            raise RuntimeError("non-finite logits")
+
+    seen = []
+
+    def loop(engine, row):
+        try:
+            return two_turn_loop(engine, row)
+        finally:
+            seen.append(row["answer"])
+
+    with pytest.raises(RuntimeError, match="non-finite"):
+        LoopRunner(Failing(), tok, loop).run(ROWS, SamplingParams(n=2, max_new_tokens=20))
+    deadline = time.monotonic() + 10
+    while len(seen) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(seen) == 4                      # every episode's thread returned, none left waiting

@@ -27,11 +27,19 @@ def test_the_splits_are_distinct_and_their_answers_right():
     task = CalculatorTask(seed=3, train_size=300, heldout_size=40, harder_size=40)
     questions = [r["question"] for rows in task.splits().values() for r in rows]
     assert len(questions) == len(set(questions)) == 380
+    words = 0
     for rows in task.splits().values():
         for r in rows:
-            m = re.search(r"What is (.+)\?", r["question"])
-            expr = m.group(1) if m else " * ".join(re.findall(r"\d+", r["question"])[:2])
-            assert calculate(expr) == r["answer"], r["question"]
-    assert max(int(x) for r in task.harder for x in re.findall(r"\d+", r["question"])) > 99
+            # the answer is what the row's expression computes, recomputed here without the tool
+            assert int(eval(r["expression"], {"__builtins__": {}})) == int(r["answer"]), r["question"]  # noqa: S307
+            assert calculate(r["expression"]) == r["answer"]
+            nums = re.findall(r"\d+", r["expression"])
+            assert all(n in r["question"] for n in nums)
+            bare = r["question"] == f"What is {r['expression']}?"
+            words += not bare
+            if not bare:                       # a word problem: the expression is not in the text
+                assert r["expression"] not in r["question"] and "What is" not in r["question"]
+    assert 0.35 < words / 380 < 0.65
+    assert max(int(x) for r in task.harder for x in re.findall(r"\d+", r["expression"])) > 99
     env = CalculatorEnv()
     assert env.reset(**task.heldout[0]) is None and env.calculator("2*3") == "6" and env.calls == 1

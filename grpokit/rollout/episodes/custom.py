@@ -144,8 +144,14 @@ class _Hub:
             if not batch:
                 continue
             want = max(m for _, (_, m) in batch)
-            out = self.engine.generate([p for _, (p, _) in batch], replace(self.params, n=1, max_new_tokens=want),
-                                       self.generator)
+            try:
+                out = self.engine.generate([p for _, (p, _) in batch], replace(self.params, n=1, max_new_tokens=want),
+                                           self.generator)
+            except BaseException:
+                with self.cv:                 # no episode waits on an engine that has failed
+                    self.abandoned |= set(range(self.n)) - self.finished
+                    self.cv.notify_all()
+                raise
             self.calls += 1
             lengths = out.completion_mask.sum(-1).tolist()
             with self.cv:
