@@ -406,7 +406,9 @@ def main() -> None:
     md = (f"{meta['date']} on {meta['host']} ({meta['cpu']}, {meta['cores']} cores; 1-minute load average "
           f"{load_start[0]:.1f} at the start, {meta['load_average']['end'][0]:.1f} at the end), torch {meta['torch']}, "
           f"transformers {meta['transformers']}, trl {meta['trl']}; {meta['seconds'] / 60:.0f} min; "
-          f"{common.PROMPTS_PER_STEP} prompts x G = {common.GROUP_SIZE} per step, {args.steps} measured steps; threads {common.cores()}; "
+          f"{common.PROMPTS_PER_STEP} prompts x G = {common.GROUP_SIZE} per step"
+          + (f" ({common.AGENT_PROMPTS_PER_STEP} in the agent variant)" if any(c[2] == "agent" for c in configs) else "")
+          + f", {args.steps} measured steps; threads {common.cores()}; "
           f"command: `{meta['command']}`\n\n"
           + table + "\n\nTargets:\n" + "\n".join(lines) + "\n"
           + "".join(f"\nSkipped: the {size} configurations ({reason}).\n" for size, reason in skipped.items()))
