@@ -216,6 +216,7 @@ class LoopRunner:
         segs = value if isinstance(value, (list, tuple)) else [value]
         if not segs or not all(isinstance(s, Trajectory) for s in segs):
             raise ConfigError(f"{self.name} must return a Trajectory or a list of them, not {type(value).__name__}")
+        where = _positions(handle.outputs)
         for k, s in enumerate(segs):
             n = len(s.ids)
             if len(s.mask) != n or len(s.logprobs) != n:
@@ -224,7 +225,7 @@ class LoopRunner:
             if not s.prompt_ids or any(m not in (0, 1) for m in s.mask):
                 raise ConfigError(f"{self.name}: segment {k} needs a non-empty prompt_ids and a 0/1 mask")
             for lo, hi in _runs(s.mask):
-                if not _sampled(s.ids[lo:hi], s.logprobs[lo:hi], handle.outputs):
+                if not _sampled(s.ids[lo:hi], s.logprobs[lo:hi], where):
                     raise ConfigError(f"{self.name}: segment {k}'s tokens {lo}-{hi - 1} are marked trained (mask 1) "
                                       "but are not tokens the engine sampled for this episode with those log-probs; "
                                       "observations and other inserted tokens must have mask 0")
@@ -291,19 +292,28 @@ def _runs(mask: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def _sampled(ids: list[int], lps: list[float], outputs: list[Sampled]) -> bool:
+def _positions(outputs: list[Sampled]) -> dict[int, list[tuple[Sampled, int]]]:
+    """Token id -> the (answer, position) pairs holding it."""
+    where: dict[int, list[tuple[Sampled, int]]] = {}
+    for o in outputs:
+        for start, t in enumerate(o.ids):
+            where.setdefault(t, []).append((o, start))
+    return where
+
+
+def _sampled(ids: list[int], lps: list[float], where: dict[int, list[tuple[Sampled, int]]]) -> bool:
     """True when `ids` (with `lps`) is made of contiguous pieces of the engine's answers (one answer,
-    or answers that continue one another), matched longest piece first."""
+    or answers that continue one another), matched longest piece first. Only the places where an
+    answer holds the piece's next token are tried, so long episodes stay cheap."""
     j, n = 0, len(ids)
     while j < n:
         best = 0
-        for o in outputs:
-            for start in range(len(o.ids)):
-                k = 0
-                while (j + k < n and start + k < len(o.ids) and o.ids[start + k] == ids[j + k]
-                       and abs(o.logprobs[start + k] - lps[j + k]) <= 1e-5):
-                    k += 1
-                best = max(best, k)
+        for o, start in where.get(ids[j], ()):
+            k = 0
+            while (j + k < n and start + k < len(o.ids) and o.ids[start + k] == ids[j + k]
+                   and abs(o.logprobs[start + k] - lps[j + k]) <= 1e-5):
+                k += 1
+            best = max(best, k)
         if best == 0:
             return False
         j += best

@@ -180,8 +180,7 @@ class EpisodeRunner:
         try:
             return self.chat.prompt_ids(e.messages)
         except Exception as exc:  # noqa: BLE001 - the template cannot render this conversation
-            raise ConfigError(f"multi-turn episode: the chat template failed on the conversation "
-                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+            raise _template_failed(exc) from None
 
     def _observe(self, eps: list[Episode]) -> None:
         """Each episode's observation for its last turn (every episode's calls at once, in the
@@ -247,8 +246,7 @@ class EpisodeRunner:
         except NotPrefixPreserving as exc:
             raise ConfigError(f"multi-turn episode: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - the template cannot render this conversation
-            raise ConfigError(f"multi-turn episode: the chat template failed on the conversation "
-                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+            raise _template_failed(exc) from None
         if len(e.ids) + len(delta) >= self._budget:   # no room left for a turn
             e.stop_reason = "length"
             return
@@ -299,6 +297,11 @@ class EpisodeRunner:
 
     def close(self) -> None:
         self.pool.close()
+
+
+def _template_failed(exc: Exception) -> ConfigError:
+    return ConfigError(f"multi-turn episode: the chat template failed on the conversation "
+                       f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
 
 
 def _number(value) -> float | None:
