@@ -36,7 +36,7 @@ def main() -> None:
     n = args.prompts * args.group
     cfg = config_from_dict({
         "model": {"path": args.model, "dtype": "float32", "device": "cpu"},
-        "data": {"path": args.data},
+        "data": {"path": args.data, "eval_split": 0},           # no held-out evaluation inside the timed steps
         "rollout": {"group_size": args.group, "batch_size": n, "temperature": 0.8,
                     "max_new_tokens": args.tokens, "ignore_eos": True},
         "algorithm": {"kl": {"beta": 0.02, "estimator": "k3", "controller": "fixed"}},

@@ -57,7 +57,8 @@ def run_mode(address: str, warm: Path, data: Path, work: Path, *, asynchronous: 
                                  f"train.steps={steps + 1}", f"train.seed={seed}", "train.save_every=0",
                                  "train.sample_every=0", "train.progress=false", "train.check_rewards=false",
                                  "rollout.engine=server", f"rollout.server={address}",
-                                 f"rollout.async={str(asynchronous).lower()}"])
+                                 f"rollout.async={str(asynchronous).lower()}", "data.eval_split=0",
+                                 "algorithm.kl.beta=0", "algorithm.kl.measure_every=0"])   # as measured in docs/rollout.md
     torch.manual_seed(seed)
     tr = build_run(cfg, model=load_model(warm, dtype="float32", device="cpu"), tokenizer=load_tokenizer(warm),
                    health=False, report=False)

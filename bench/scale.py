@@ -106,7 +106,7 @@ def main() -> None:
             f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.temperature={common.TEMPERATURE}",
             f"optim.lr={common.LR}", "optim.micro_batch_size=16", f"train.steps={args.steps}", "train.save_every=0",
             "train.save_every_minutes=0", "train.progress=false", "train.check_rewards=false",
-            "train.batch_advice=false", "train.sample_every=0", "monitor.sinks=[jsonl]", "rewards=[{name: exact_match}]",
+            "train.batch_advice=false", "train.sample_every=0", "monitor.sinks=[jsonl]", "rewards=[{name: exact_match}]", "data.eval_split=0",
             f"train.seed={common.SEED}"]
     base_env = {**os.environ, "PYTHONPATH": str(ROOT)}
     results = []

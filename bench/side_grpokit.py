@@ -38,7 +38,7 @@ def build(args):
         if args.agent else {}
     cfg = config_from_dict({
         "model": {"path": args.model, "dtype": "float32", "device": "cpu", "gradient_checkpointing": False},
-        "data": {"path": args.data},
+        "data": {"path": args.data, "eval_split": 0},           # no held-out evaluation inside the timed steps
         "rollout": {"group_size": common.GROUP_SIZE, "batch_size": n, "temperature": common.TEMPERATURE,
                     "max_new_tokens": args.max_new_tokens, "ignore_eos": args.fixed_length, **agent},
         "algorithm": {"advantage": "grpo", "loss_agg": "token_mean", "mu": 1, "mini_batches": 1,

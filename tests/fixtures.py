@@ -41,6 +41,7 @@ def small_overrides(model_dir: Path, train: Path, run_dir: Path, **extra) -> lis
         "rollout.temperature": 1.0, "optim.lr": 1e-3, "optim.micro_batch_size": 16,
         "train.steps": 2, "train.progress": False, "monitor.sinks": "[jsonl]", "train.sample_every": 0,
         "rewards": "[{name: exact_match}]",
+        "data.eval_split": 0,   # no held-out split carved: these runs test other things (the split: test_heldout.py)
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]

@@ -17,6 +17,7 @@ from grpokit.config import Config, ConfigError, load_config
 from grpokit.data.datasets import DataError
 from grpokit.rewards import REGISTRY
 from grpokit.rewards.registry import registered_while
+from grpokit.rewards.checker import RENDERINGS
 from grpokit.tasks.arithmetic import ArithmeticTask
 from tests.fixtures import tiny_model_dir
 
@@ -52,8 +53,10 @@ def test_the_readme_example_trains_and_its_reward_reaches_the_metrics(model_dir,
     """The README's example, run as written in a folder holding `./my-qwen`, `prompts.jsonl` and
     `heldout.jsonl` (the tiny model and the arithmetic task), only smaller (SMALL overrides on top of
     its own). The custom reward is spied on: it must be called once per step on the step's 16
-    completions, its last training scores must be what `reward/correct/mean` reports, and its
-    greedy held-out scores what `eval/pass@1` reports."""
+    completions and its last training scores must be what `reward/correct/mean` reports. Held-out
+    prompts are scored by the independent checker (`eval.checker: auto` picks math_accuracy_alt
+    for these numeric answers), spied on too: its greedy scores are what `eval/pass@1` reports, and
+    the training reward never scores a held-out completion."""
     import shutil
 
     shutil.copytree(model_dir, tmp_path / "my-qwen")
@@ -61,12 +64,14 @@ def test_the_readme_example_trains_and_its_reward_reaches_the_metrics(model_dir,
     _write_jsonl(tmp_path / "heldout.jsonl", ArithmeticTask(seed=0, heldout=HELD_OUT).heldout_rows())
     monkeypatch.chdir(tmp_path)
     calls: list[list] = []
+    texts: list[list] = []          # the completions of each call
 
     def spy(fn):
         @functools.wraps(fn)
         def wrapped(*args, **kwargs):
             out = fn(*args, **kwargs)
             calls.append(list(out))
+            texts.append(list(args[1] if len(args) > 1 else kwargs["completions"]))
             return out
         return wrapped
 
@@ -75,6 +80,15 @@ def test_the_readme_example_trains_and_its_reward_reaches_the_metrics(model_dir,
         return GRPO(*args, rewards=rewards, overrides={**(overrides or {}), **SMALL}, **kwargs)
 
     monkeypatch.setattr(grpokit, "GRPO", small_grpo, raising=False)
+    checked: list[list] = []
+    alt = REGISTRY["math_accuracy_alt"]
+
+    @functools.wraps(alt)
+    def spied_alt(*args, **kwargs):
+        out = alt(*args, **kwargs)
+        checked.append(list(out))
+        return out
+    monkeypatch.setitem(REGISTRY, "math_accuracy_alt", spied_alt)
     ns: dict = {}
     exec(compile(_readme_example(), "README.md", "exec"), ns)  # noqa: S102 - our own README
 
@@ -86,7 +100,12 @@ def test_the_readme_example_trains_and_its_reward_reaches_the_metrics(model_dir,
     scored = [s for s in steps[-1] if s is not None]
     assert metrics["reward/correct/mean"] == pytest.approx(sum(scored) / len(scored))
     assert "reward/numeric_match/mean" in metrics and "loss/policy" in metrics
-    greedy = [c for c in calls if len(c) == HELD_OUT][-1]            # evaluate()'s greedy pass
+    # the training reward scores no held-out completion: its calls on the held-out rows are the
+    # checker's start-up probe, on the reference answers written bare, boxed and in a sentence
+    answers = [r["answer"] for r in ArithmeticTask(seed=0, heldout=HELD_OUT).heldout_rows()]
+    probes = [[form.format(a=a) for a in answers] for form in RENDERINGS]
+    assert [t for t in texts if len(t) == HELD_OUT] == probes
+    greedy = [c for c in checked if len(c) == HELD_OUT][-1]          # evaluate()'s greedy pass
     assert held_out["eval/pass@1"] == pytest.approx(sum(s == 1.0 for s in greedy) / HELD_OUT)
     assert "correct" not in REGISTRY                                 # registered only while building
     saved = yaml.safe_load((tmp_path / "runs" / "grpo" / "config.yaml").read_text())   # the run's record
@@ -96,7 +115,9 @@ def test_the_readme_example_trains_and_its_reward_reaches_the_metrics(model_dir,
 
 def test_loaded_model_rows_and_evaluate_on_a_given_dataset(model_dir, tmp_path):
     """A loaded model (its tokenizer found in its directory), rows in memory, a grpokit-style
-    positional reward and a Config object with overrides on top."""
+    positional reward and a Config object with overrides on top; 32 prompts are too few to carve a
+    held-out split from, and a held-out set given to `evaluate` later is scored by the checker the
+    config names: here the training reward itself, a function registered only while the run was built."""
     from grpokit.models.hf import load_model
 
     model = load_model(model_dir, dtype="float32", device="cpu")
@@ -108,7 +129,7 @@ def test_loaded_model_rows_and_evaluate_on_a_given_dataset(model_dir, tmp_path):
 
     cfg = load_config("grpo", ["algorithm.kl.beta=0"])
     grpo = GRPO(model=model, rewards=[(digits, 2.0)], dataset=_rows(32), config=cfg,
-                overrides={**SMALL, "train.steps": 1, "train.run_dir": str(tmp_path / "run")})
+                overrides={**SMALL, "train.steps": 1, "train.run_dir": str(tmp_path / "run"), "eval.checker": "digits"})
     assert grpo.config.algorithm.kl.beta == 0 and grpo.config.rewards[0].weight == 2.0
     assert grpo.config.model.path == str(model_dir)
     assert grpo.trainer.model is model
@@ -260,7 +281,7 @@ def test_the_cli_and_the_python_api_make_the_same_run(tmp_path):
                 for r in rows]
 
     cli, api = metrics(tmp_path / "cli"), metrics(tmp_path / "api")
-    assert [r["step"] for r in cli] == [1, 2] and "eval/pass@1" in cli[-1]
+    assert [r["step"] for r in cli] == [0, 1, 2] and "eval/pass@1" in cli[0] and "eval/pass@1" in cli[-1]
     for a, b in zip(cli, api):
         assert a.keys() == b.keys(), set(a) ^ set(b)
         assert {k: v for k, v in a.items() if v != b[k]} == {}

@@ -84,8 +84,10 @@ def test_the_wide_upper_clip_loads_over_dapo(paths, overrides):
     cfg = load_config(paths, overrides)
     a = cfg.algorithm
     assert (a.eps_low, a.eps_high) == (0.2, 2.0)
-    assert a.loss_agg == "token_mean" and a.mask_truncated and a.kl.beta == 0.0 and cfg.rollout.dynamic_sampling
+    assert a.loss_agg == "token_mean" and a.mask_truncated and cfg.rollout.dynamic_sampling
+    assert a.kl.beta == 0.02 and a.kl.controller == "adaptive"        # KL holds the wider ratio back
     assert load_config("dapo").algorithm.eps_high == 0.28              # dapo itself keeps the paper's value
+    assert load_config("dapo_paper").algorithm.eps_high == 0.28
     # a ratio of 2.5 on a good response: clipped at 1.28 by dapo, kept whole under the wide clip;
     # a bad response's ratio of 0.5 is clipped at 0.8 in both
     import torch
@@ -102,7 +104,7 @@ def test_the_code_preset_and_its_stacking_with_dapo():
     assert cfg.algorithm.loss_agg == "seq_mean_token_mean"             # the rest is grpo's
     both = load_config(["code", "dapo_wide_clip"])                      # later files win
     assert (both.rollout.group_size, both.rewards[0].name) == (32, "code_tests")
-    assert both.algorithm.eps_high == 2.0 and both.rollout.dynamic_sampling and both.algorithm.kl.beta == 0.0
+    assert both.algorithm.eps_high == 2.0 and both.rollout.dynamic_sampling and both.algorithm.kl.beta == 0.02
 
 
 # ----------------------------------------------------------------------- registered names

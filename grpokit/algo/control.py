@@ -272,7 +272,10 @@ class WarmupKL(_Scaled):
     The default start_scale, 4, turns the config's default β of 0.02 into 0.08 during the warm-up:
     inside the 0.05–0.1 of the warm-up rule in docs/algorithms.md §5 (0.05–0.1 for ~1000 updates,
     then 0.02). The inner controller is stepped during the warm-up too, so an adaptive inner keeps
-    adapting there; to drop back to exactly the starting β, warm up over a fixed one.
+    adapting there; to drop back to exactly the starting β, warm up over a fixed one, or ``hold``:
+    the inner controller is not stepped until the warm-up ends, so it takes over from its own
+    starting β (the default run's controller: `algorithm.kl.warmup_steps`). ``handed_over`` is True
+    right after the step that ended the warm-up.
     """
 
     kind = "warmup"
@@ -285,13 +288,46 @@ class WarmupKL(_Scaled):
         steps: int,
         start_scale: float = 4.0,
         shape: str = "cosine",
+        hold: bool = False,
     ):
         super().__init__(inner, beta)
-        steps, start_scale = _finite("steps", steps, 1), _finite("start_scale", start_scale, 1)
+        if not isinstance(hold, bool):
+            raise ValueError(f"hold must be true or false, got {hold!r}")
+        steps, start_scale = _finite("steps", steps, 0 if hold else 1), _finite("start_scale", start_scale, 1)
         if steps != int(steps):
             raise ValueError(f"steps must be a whole number of updates, got {steps!r}")
         self.steps, self.start_scale = int(steps), float(start_scale)
         self.shape = _check_shape(shape, ("linear", "cosine", "step"))
+        self.hold = hold
+
+    def step(self, observed_kl: float) -> float:
+        if self.hold and self.t < self.steps:
+            _check_kl(observed_kl)
+            self.t += 1
+            return self.beta
+        return super().step(observed_kl)
+
+    @property
+    def handed_over(self) -> bool:
+        return self.steps > 0 and self.t == self.steps
+
+    def state_dict(self) -> dict[str, Any]:
+        out = super().state_dict()
+        if self.hold:
+            out["steps"] = self.steps
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A held warm-up resumes with the length it started with (saved with it): the default's
+        length follows `train.steps`, which a resumed run may have raised. A state saved before
+        warm-ups held (the inner controller's alone) loads as a controller already in charge."""
+        if self.hold and state.get("kind") == self.inner.kind:
+            self.inner.load_state_dict(state)
+            self.t = max(self.t, self.steps)
+            return
+        super().load_state_dict(state)
+        if self.hold and "steps" in state:
+            self.steps = int(_state_value(state, "steps", self.kind))
 
     def scale(self, t: int) -> float:
         if self.shape == "step":

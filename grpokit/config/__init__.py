@@ -31,7 +31,7 @@ from grpokit.config.monitor import MonitorConfig
 from grpokit.config.rewards import CrossCheckConfig, RewardSpecConfig
 from grpokit.config.rollout import RolloutConfig, VLLMConfig
 from grpokit.config.root import Config, check_config
-from grpokit.config.train import GuardConfig, LoraSection, TrainConfig
+from grpokit.config.train import EvalConfig, GuardConfig, LoraSection, TrainConfig
 from grpokit.errors import ConfigError
 from grpokit.monitor.health import HealthConfig
 
@@ -39,7 +39,7 @@ __all__ = [
     "PRESET_DIR", "AdvantageName", "AggregationName", "AlgorithmConfig", "Config", "ConfigError", "ControllerName",
     "CrossCheckConfig", "CurriculumConfig", "DataConfig", "EngineName", "FilterConfig", "GuardConfig",
     "HealthConfig", "KLConfig", "KLKindName", "LoraSection", "ModelConfig", "MonitorConfig", "OptimConfig",
-    "RewardName", "RewardSpecConfig", "RewriteConfig", "RolloutConfig", "TrainConfig", "VLLMConfig",
+    "EvalConfig", "RewardName", "RewardSpecConfig", "RewriteConfig", "RolloutConfig", "TrainConfig", "VLLMConfig",
     "check_config", "check_failed", "config_from_dict", "dump_config", "load_config", "parse_override",
     "read_configs", "resolve_preset", "set_key",
 ]

@@ -36,6 +36,9 @@ class KLConfig(_Section):
         if self.target_low > self.target_high:
             raise ValueError(f"target_low {self.target_low:g} > target_high {self.target_high:g} "
                              f"(the band is in nats per {self.target_unit}: per completion by default)")
+        if self.controller == "warmup" and self.warmup_steps:
+            raise ValueError("algorithm.kl.warmup_steps adds a warm-up to a controller; the warmup controller "
+                             "is one already: set one or the other")
         return self
     adapt_factor: float = Field(1.05, gt=1)
     """Adaptive controller: beta is multiplied (divided) by this after each step whose KL is above
@@ -44,6 +47,25 @@ class KLConfig(_Section):
     collapsed from 68% to 16%, where 1.05 kept learning (docs/variants.md)."""
     controller_args: dict[str, Any] = {}
     """Extra arguments for the controller (see grpokit.algo.control)."""
+    warmup_steps: int | None = Field(None, ge=0)
+    """KL warm-up (the practitioner's rule R2: a larger beta for the first ~1000 steps): beta is held
+    at `warmup_scale` x `beta` for this many steps, the controller not stepped, then the controller
+    takes over from `beta` (the step is logged). None (default): a tenth of `train.steps`, at most
+    1000 (the rule's 1000 steps are a tenth of the runs it comes from), before a controller that
+    aims at a KL (adaptive, ziegler); none for `fixed` (fixed means fixed) and `schedule` unless
+    set here, none for `warmup` (it is one). A resumed run keeps the length it started with. 0 = no
+    warm-up."""
+    warmup_scale: float = Field(4.0, ge=1)
+    """beta during the warm-up, as a multiple of `beta`: 4 turns 0.02 into 0.08, inside the rule's
+    0.05-0.1."""
+    measure_every: int = Field(10, ge=0)
+    """With beta = 0 (no KL term): still measure KL to the reference every N steps, on up to
+    `measure_rows` completions of the step's batch (`kl/ref`, `kl/ref_seq`), so the KL signal, the
+    KL-climbing alarm and the reference integrity probe keep working; the reference is kept for it
+    (free with LoRA: the adapters switched off; a frozen copy otherwise). 0 = not measured, and no
+    reference at beta = 0."""
+    measure_rows: int = Field(16, ge=1)
+    """Completions the beta = 0 measurement runs on (two forward passes, no backward)."""
     in_reward: bool = False
     """Put the (detached, k1) KL into the reward instead of the loss."""
     ref_dropout: float = Field(0.0, ge=0, lt=1)
@@ -119,6 +141,11 @@ class AlgorithmConfig(_Section):
     """Proxy-based sample filtering (practitioner's rule "Dr. GRPO as practised")."""
     rewrite: RewriteConfig = RewriteConfig()
     """Wrong-answer rewriting (practitioner's rule "Dr. GRPO as practised")."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """An entropy bonus: minus this times the policy's entropy (over the vocabulary, at each
+    completion token, aggregated like the surrogate by `loss_agg`) is added to the loss, logged as
+    `loss/entropy_bonus`. Off by default; the entropy-collapse alarm's remedy (docs/metrics.md):
+    0.001-0.01 holds entropy up, larger values trade reward for randomness."""
     pass_threshold: float = 1.0
     """A completion passes (for pass@1, curriculum and rewriting) when the first reward is >= this."""
 

@@ -58,7 +58,16 @@ class DataConfig(_Section):
     path: str = ""
     """Prompt dataset: a .jsonl / .parquet file or a `datasets` dataset saved on disk."""
     eval_path: str = ""
-    """Held-out prompts for `eval/pass@1` (same format); empty disables evaluation."""
+    """Held-out prompts for `eval/pass@1` (same format). Empty: a held-out split is carved from
+    `data.path` (`eval_split`), and said so at start."""
+    eval_split: float = Field(0.05, ge=0, lt=1)
+    """With no `eval_path`: hold this fraction of the distinct training prompts out for held-out
+    evaluation (seeded by `train.seed`; at least 20 prompts, at most `eval_split_max`; the training
+    data loses them). The reward-hacking alarm needs held-out prompts (docs/metrics.md). Data
+    too small to spare them (fewer than 100 distinct prompts) trains whole, with a warning.
+    0 = no split (no evaluation without `eval_path`)."""
+    eval_split_max: int = Field(100, ge=20)
+    """Most prompts a carved held-out split holds (evaluation stays cheap on large datasets)."""
     prompt_field: str = "prompt"
     """Column holding the prompt (a string, or a list of chat messages)."""
     answer_field: str = "answer"

@@ -13,7 +13,7 @@ from grpokit.config.model_data import DataConfig, ModelConfig
 from grpokit.config.monitor import MonitorConfig
 from grpokit.config.rewards import CrossCheckConfig, RewardSpecConfig
 from grpokit.config.rollout import RolloutConfig
-from grpokit.config.train import GuardConfig, LoraSection, TrainConfig
+from grpokit.config.train import EvalConfig, GuardConfig, LoraSection, TrainConfig
 from grpokit.monitor.health import HealthConfig
 
 
@@ -35,6 +35,8 @@ class Config(_Section):
     """Optimizer."""
     train: TrainConfig = TrainConfig()
     """Loop, checkpoints, logging."""
+    eval: EvalConfig = EvalConfig()
+    """The held-out checker: what scores `eval/pass@1` (grpokit.rewards.checker)."""
     health: HealthConfig = HealthConfig()
     """Health alarms (grpokit.monitor.health): per-alarm thresholds and action warn / stop / off."""
     guard: GuardConfig = GuardConfig()

@@ -1,12 +1,20 @@
-"""Config sections `train` (the loop, checkpoints, evaluation), `lora` and `guard`."""
+"""Config sections `train` (the loop, checkpoints, evaluation), `eval` (the held-out checker),
+`lora` and `guard`."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from grpokit.config.base import _Section, check_failed
+
+
+def _checker_name(name: str) -> str:
+    if name != "auto":
+        from grpokit.config.base import _reward
+        _reward(name)
+    return name
 
 
 class TrainConfig(_Section):
@@ -36,13 +44,16 @@ class TrainConfig(_Section):
     give smooth curves (the practitioner's batch rule, docs/training.md); the demo turns it off."""
     keep_healthy: int = Field(1, ge=1)
     """Newest healthy checkpoints kept besides them (rollback targets)."""
-    eval_every: int = Field(0, ge=0)
-    """Held-out evaluation (when `data.eval_path` is set) every N steps and after the last step;
-    0 = only before the first step (logged as step 0) and after the last."""
+    eval_every: int = Field(10, ge=0)
+    """Held-out evaluation (on `data.eval_path`, or the split carved by `data.eval_split`) before the
+    first step (logged as step 0), every N steps and after the last; 0 = only before the first and
+    after the last. Greedy, on at most 100 carved prompts: cheap enough to leave on, and the
+    reward-hacking alarm needs its points (docs/metrics.md)."""
     eval_samples: int = Field(0, ge=0)
     """Sampled completions per eval prompt for `eval/mean@k` (0 = greedy only)."""
     keep_best: bool = False
-    """End the run with the policy of the best `eval/pass@1` on `data.eval_path` (evaluated before
+    """End the run with the policy of the best `eval/pass@1` on the held-out prompts (`data.eval_path`,
+    or the split carved by `data.eval_split`; evaluated before
     the first step, every `train.eval_every` steps and after the last; on a tie the later), not the
     last step's: early stopping on a validation split. The best policy is also written to
     RUN_DIR/best/ (a Hugging Face directory; `best.json` names its step and score); checkpoints keep
@@ -107,6 +118,22 @@ class LoraSection(_Section):
         if self.load_in_4bit and not self.enabled:
             raise check_failed("lora.load_in_4bit needs lora.enabled=true "
                                "(4-bit base weights cannot be trained directly)")
+        return self
+
+
+class EvalConfig(_Section):
+    checker: str = "auto"
+    """What scores held-out `eval/pass@1` (and `eval/mean@k`): a registered reward name or an import
+    reference, or `auto`: a verifier that shares no code with the training rewards where grpokit has
+    one (`math_accuracy_alt` for math answers when it is not itself a training reward, else
+    `math_accuracy`; `code_tests`, the unit tests, for code), else the first training reward, with a
+    warning at start that the reward-hacking signal is then not independent (docs/rewards.md)."""
+    checker_args: dict[str, Any] = {}
+    """Arguments for the checker (default: those of a training reward of the same name, if any)."""
+
+    @model_validator(mode="after")
+    def _known(self):
+        _checker_name(self.checker)
         return self
 
 

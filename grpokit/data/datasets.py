@@ -112,6 +112,38 @@ def _checked(raw: list[tuple[str, object]], source: str, prompt_field: str, answ
     return PromptDataset(rows, source)
 
 
+HELDOUT_MIN = 20
+"""Fewest prompts a carved held-out split holds: below it greedy pass@1 moves in steps of more than
+5 points, too coarse for the reward-hacking trend test."""
+
+
+def _prompt_key(row: dict) -> str:
+    p = row["prompt"]
+    return p if isinstance(p, str) else json.dumps(p, sort_keys=True, ensure_ascii=False)
+
+
+def carve_heldout(dataset: PromptDataset, fraction: float, cap: int, seed: int
+                  ) -> tuple[PromptDataset, PromptDataset] | str:
+    """(training, held-out): `fraction` of the distinct prompts (at least HELDOUT_MIN, at most `cap`)
+    drawn with `seed`, each held out once and every row of it removed from training (a prompt
+    repeated in the data never sits on both sides). When the data is too small to give that many
+    and keep four times as many for training, the reason as a string instead."""
+    keys: dict[str, list[int]] = {}
+    for i, row in enumerate(dataset.rows):
+        keys.setdefault(_prompt_key(row), []).append(i)
+    distinct = list(keys)
+    want = min(max(round(fraction * len(distinct)), HELDOUT_MIN), cap)
+    if want < HELDOUT_MIN or len(distinct) - want < 4 * want:
+        return (f"{len(distinct)} distinct prompts are too few to hold {max(want, HELDOUT_MIN)} out for "
+                f"evaluation and train on four times as many")
+    chosen = np.random.default_rng([seed, 0x5E1D]).choice(len(distinct), size=want, replace=False)
+    out = {i for k in chosen for i in keys[distinct[k]]}
+    held = sorted(keys[distinct[k]][0] for k in chosen)             # each held-out prompt once
+    src = dataset.source or "dataset"
+    return (PromptDataset([r for i, r in enumerate(dataset.rows) if i not in out], src),
+            PromptDataset([dataset.rows[i] for i in held], f"{src} (held-out split)"))
+
+
 @dataclass
 class PromptSampler:
     """Endless, seeded, resumable order over a dataset: reshuffled every epoch.

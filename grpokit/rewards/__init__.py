@@ -18,6 +18,8 @@ Importing this package registers the built-ins (cheap: no process starts until a
 | ngram_repetition      | penalties  | minus the repeated n-gram fraction (<= 0)                      |
 | length_group          | penalties  | Kimi k1.5 length penalty within the group                      |
 | format_violation      | penalties  | -penalty when the format is broken                             |
+| reward_model          | judges     | a local sequence-classification model's score                  |
+| llm_judge             | judges     | a local causal LM's rubric score, parsed, in [0, 1]            |
 
 `check_determinism` / `check_rows` (determinism.py) warn about rewards that score the same
 completion differently from one call to the next.
@@ -29,7 +31,7 @@ dataset columns each reward needs (`required_columns`, `check_columns`).
 See docs/rewards.md for formulas, known holes and the sandbox threat model.
 """
 
-from . import basic, code, format, math, penalties  # noqa: F401 - registers the built-ins
+from . import basic, code, format, judges, math, penalties  # noqa: F401 - registers the built-ins
 from .code import CodeResult, extract_code, run_tests, run_tests_batch
 from .compose import CrossCheck, RewardOutput, RewardSet, RewardSpec, check_args
 from .determinism import check_determinism, check_rows, probe_batch

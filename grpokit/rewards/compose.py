@@ -44,6 +44,7 @@ import os
 import random
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Callable, Literal
@@ -168,7 +169,8 @@ def _explicit_params(fn) -> dict[str, inspect.Parameter]:
 
 def check_args(name: str, fn, args: dict) -> dict:
     """Every arg must be a named parameter of `fn` (so a typo is not swallowed by **columns) and
-    fit its annotation when it has a simple one. Returns the validated args."""
+    fit its annotation when it has a simple one, and pass `fn.validate_args(name, args)` when the
+    function has one (ValueError). Returns the validated args."""
     params = _explicit_params(fn)
     out = {}
     for key, val in args.items():
@@ -189,6 +191,9 @@ def check_args(name: str, fn, args: dict) -> dict:
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"reward {name!r}: bad value {val!r} for argument {key!r}: "
                              f"{str(e).splitlines()[-1].strip()}") from None
+    extra = getattr(fn, "validate_args", None)        # a reward's own check of its args (the judges')
+    if extra is not None:
+        extra(name, out)
     return out
 
 
@@ -263,7 +268,9 @@ class RewardSet:
         per_fn: dict[str, list[float | None]] = {}
         metrics: dict[str, float] = {}
         for spec, fn in zip(self.specs, self.fns):
+            t0 = time.perf_counter()
             vals = self._invoke(spec.name, fn, {**columns, **spec.args}, spec.timeout_s, prompts, completions)
+            metrics[f"time/reward/{spec.name}"] = time.perf_counter() - t0
             failed = vals is None
             if failed:
                 vals = [None] * n

@@ -18,10 +18,11 @@ log = logging.getLogger("grpokit.train")
 
 
 def reference_for(cfg, policy) -> Reference | None:
-    """pi_ref for `policy`: None when beta = 0; the policy with its adapters off for a LoRA policy
-    (unless `lora.reference: copy`); otherwise a frozen copy placed per `algorithm.kl.ref_device`."""
+    """pi_ref for `policy`: None when beta = 0 and KL is not measured (`algorithm.kl.measure_every`
+    0); the policy with its adapters off for a LoRA policy (unless `lora.reference: copy`);
+    otherwise a frozen copy placed per `algorithm.kl.ref_device`."""
     k = cfg.algorithm.kl
-    if k.beta == 0:
+    if k.beta == 0 and k.measure_every == 0:
         return None
     kw = dict(dropout=k.ref_dropout, cache_size=k.ref_cache, temperature=cfg.rollout.temperature,
               chunk_tokens=cfg.optim.logprob_chunk)

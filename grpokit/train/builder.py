@@ -69,6 +69,28 @@ def load_datasets(cfg, dataset=None, eval_dataset=None):
     return dataset, eval_dataset
 
 
+def carve_eval_split(cfg, dataset, eval_dataset):
+    """(training, held-out) prompts: with no held-out prompts given, `data.eval_split` of the training
+    prompts carved off (seeded, grpokit.data.datasets.carve_heldout) and said so; a dataset too small
+    to spare them trains whole, with a warning that no held-out accuracy (and so no reward-hacking
+    signal) will be measured."""
+    from grpokit.data.datasets import carve_heldout
+
+    d = cfg.data
+    if eval_dataset is not None or d.eval_split == 0:
+        return dataset, eval_dataset
+    got = carve_heldout(dataset, d.eval_split, d.eval_split_max, cfg.train.seed)
+    if isinstance(got, str):
+        log.warning("no held-out split: %s (data.eval_split); without held-out prompts there is no eval/pass@1 "
+                    "and the reward-hacking alarm cannot fire: give data.eval_path", got)
+        return dataset, None
+    train, held = got
+    log.info("held-out split: %d prompts of %s carved for evaluation (data.eval_split=%g, seed %d; %d of %d "
+             "rows left to train on; data.eval_path gives your own, data.eval_split=0 none)", len(held),
+             dataset.source or "the dataset", d.eval_split, cfg.train.seed, len(train), len(dataset))
+    return train, held
+
+
 def open_comm(cfg):
     """This process's `Comm`: a rank of the torchrun job it was started in, else a single process."""
     from grpokit.train import distributed
@@ -87,7 +109,8 @@ def step_settings(cfg):
         length_buckets=a.length_buckets, bucket_mode=a.bucket_mode if a.length_buckets is not None else None,
         kl_in_reward=a.kl.in_reward, kl_unit=a.kl.target_unit, resampling=r.resample_threshold is not None,
         is_cap=r.is_cap, is_correction=r.is_correction, old_logp_needed=a.mu > 1 or a.mini_batches > 1,
-        pass_reward=cfg.rewards[0].name, pass_threshold=a.pass_threshold)
+        pass_reward=cfg.rewards[0].name, pass_threshold=a.pass_threshold, kl_estimator=a.kl.estimator,
+        kl_measure_every=a.kl.measure_every, kl_measure_rows=a.kl.measure_rows)
 
 
 def sampling_params(cfg):
@@ -162,9 +185,10 @@ def build_run(cfg, *, model=None, tokenizer=None, dataset=None, eval_dataset=Non
 
     check_sinks(cfg)          # a missing wandb / mlflow package: one line now, before the model loads
     # the prompts, and the columns the rewards read, are checked before the (slow) model loading
-    dataset, eval_ds = load_datasets(cfg, dataset, eval_dataset)
+    dataset, eval_ds = carve_eval_split(cfg, *load_datasets(cfg, dataset, eval_dataset))
     if cfg.train.keep_best and eval_ds is None:
-        raise ConfigError("train.keep_best needs a validation split (data.eval_path) and one process")
+        raise ConfigError("train.keep_best needs a validation split (data.eval_path, or one carved: "
+                          "data.eval_split) and one process")
     # a single process: rank 0 of 1 (docs/distributed.md); a built data-parallel worker has its own,
     # which its caller owns (and closes)
     given = getattr(worker, "ctx", None)
@@ -238,8 +262,12 @@ def _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, env
                 ref_probe=probe, seed=cfg.train.seed)
     monitor = build_health(cfg) if health and comm.is_main else None
     on_exit = ([_report_at_exit] if report and comm.is_main else []) + ([lambda _: comm.close()] if close else [])
+    from grpokit.train.evaluate import build_checker
+
+    checker = build_checker(cfg, eval_ds, say=comm.is_main) if eval_ds is not None else None
     return Trainer(cfg, step=step, worker=worker, run=run, comm=comm, tokenizer=tokenizer, dataset=dataset,
-                   rewards=rewards, encoder=encoder, eval_dataset=eval_ds, health=monitor, on_exit=on_exit,
+                   rewards=rewards, encoder=encoder, eval_dataset=eval_ds, checker=checker, health=monitor,
+                   on_exit=on_exit,
                    fresh_notes=_fresh_start_notes(cfg, rewards, dataset, encoder))
 
 
@@ -269,7 +297,7 @@ def build_episodes(cfg, engine, tokenizer, spec=None):
 class EvalParts(NamedTuple):
     engine: object
     encoder: object
-    rewards: object
+    rewards: object           # the held-out checker's RewardSet (eval.checker)
     dataset: object
     episodes: object          # the multi-turn runner, or None
 
@@ -288,5 +316,7 @@ def build_eval(cfg, model_path: str) -> EvalParts:
     model = load_model(model_path, dtype=cfg.model.dtype, device=cfg.model.device)
     encoder = PromptEncoder(tok, cfg.data.chat_template)
     check_prompts(encoder, ds.rows, ds.source, max_new_tokens=cfg.rollout.max_new_tokens, positions=max_positions(model))
+    from grpokit.train.evaluate import build_checker
+
     engine = build_engine(cfg.rollout.engine, model, tok, rollout=cfg.rollout)
-    return EvalParts(engine, encoder, build_rewards(cfg), PromptDataset(ds.rows), build_episodes(cfg, engine, tok))
+    return EvalParts(engine, encoder, build_checker(cfg, ds), PromptDataset(ds.rows), build_episodes(cfg, engine, tok))

@@ -1,4 +1,5 @@
-"""Held-out evaluation: greedy pass@1 and, optionally, sampled mean@k with the run's reward."""
+"""Held-out evaluation: the checker that scores it (independent of the training reward where it can
+be), greedy pass@1 and, optionally, sampled mean@k."""
 
 from __future__ import annotations
 
@@ -17,17 +18,34 @@ def _passes(values: list, threshold: float) -> list[bool]:
     return [v is not None and math.isfinite(v) and v >= threshold for v in values]
 
 
+def build_checker(cfg, eval_dataset, *, say: bool = True, fns=None):
+    """The held-out checker's RewardSet (`eval.checker`, grpokit.rewards.checker), its columns checked
+    against the held-out rows; whether it is independent of the training rewards is logged (a
+    warning when it is not). `fns`: name -> function of rewards no longer registered."""
+    from grpokit.rewards import check_columns
+    from grpokit.rewards.checker import choose_checker
+
+    ch = choose_checker(cfg.eval.checker, cfg.eval.checker_args, cfg.rewards, eval_dataset.rows,
+                        threshold=cfg.algorithm.pass_threshold, fns=fns)
+    check_columns([{"name": ch.name, "args": ch.args}], eval_dataset.rows,
+                  eval_dataset.source or "the held-out prompts", fns=fns)
+    if say:
+        (log.info if ch.independent else log.warning)(ch.describe())
+    return ch.reward_set(fns)
+
+
 @torch.no_grad()
 def evaluate(engine, encoder, reward_set, dataset, cfg, *, samples: int = 0, generator=None,
              batch_prompts: int = 64, episodes=None) -> dict:
     """`eval/pass@1`: fraction of prompts whose greedy completion scores >= `algorithm.pass_threshold`
-    on the first reward function; `eval/mean@k`: mean fraction over k sampled completions at the
-    run's temperature. `episodes`: a multi-turn runner (grpokit.rollout.episodes) over `engine`,
-    whose whole episodes are scored as in training.
+    on the first function of `reward_set` (the held-out checker, grpokit.rewards.checker);
+    `eval/mean@k`: mean fraction over k sampled completions at the run's temperature. `episodes`: a
+    multi-turn runner (grpokit.rollout.episodes) over `engine`, whose whole episodes are scored as
+    in training.
     """
     threshold = cfg.algorithm.pass_threshold
     rows = dataset.rows[: cfg.data.eval_size or None]
-    primary = cfg.rewards[0].name
+    primary = reward_set.names[0]
     out = {}
     for k, temp in ((1, 0.0), (samples, cfg.rollout.temperature)):
         if k == 0:

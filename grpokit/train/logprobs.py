@@ -136,6 +136,8 @@ def _head_logprobs(head, softcap, temperature, h, targets, want_entropy: bool):
     logp = logits.gather(-1, targets[..., None]).squeeze(-1) - lse
     if not want_entropy:
         return logp, torch.zeros_like(logp)
+    if want_entropy == "grad":                             # an entropy bonus in the loss: differentiable
+        return logp, lse - (torch.softmax(logits, -1) * logits).sum(-1)
     with torch.no_grad():
         p = torch.softmax(logits.detach(), -1)
         ent = lse.detach() - (p * logits.detach()).sum(-1)
@@ -146,6 +148,7 @@ def completion_logprobs(model, mb: MicroBatch, *, temperature: float = 1.0, chun
                         want_entropy: bool = False, logits_budget_bytes: int = 256 << 20
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(completion token | prefix) for each completion token of `mb`: ([m, L], entropy [m, L]).
+    `want_entropy`: False (zeros), True (detached), or "grad" (differentiable, for an entropy bonus).
 
     Logits are divided by `temperature`, matching the distribution the sampler drew from.
     Padding positions hold 0.

@@ -122,24 +122,29 @@ class Setup:
     temperature: float = 1.0
     world_size: int = 1                      # data-parallel ranks (docs/distributed.md)
     distributed: str = "none"                # "none", "ddp" or "fsdp2"
+    judges: float = 0.0                      # bytes of judge models (rewards, eval.checker) on this device
 
 
 def setup_from_config(cfg, *, device: str | None = None, prompt_tokens: int = 256, world_size: int = 1) -> Setup:
     import torch
+
+    from grpokit.rewards.judges import judge_bytes_of
 
     dev = device or ("cuda" if cfg.model.device.startswith("cuda") or
                      (cfg.model.device == "auto" and torch.cuda.is_available()) else "cpu")
     dtype = cfg.model.dtype
     nbytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 2 if dev == "cuda" else 4)
     lc, k = cfg.lora, cfg.algorithm.kl
-    ref = "none" if k.beta == 0 else ("adapter_off" if lc.enabled and lc.reference == "adapter_off" else "copy")
+    ref = "none" if k.beta == 0 and k.measure_every == 0 else ("adapter_off" if lc.enabled and lc.reference == "adapter_off" else "copy")
     return Setup(device=dev, dtype_bytes=nbytes, grad_ckpt=cfg.model.gradient_checkpointing, lora=lc.enabled,
                  rank=lc.rank, targets=lc.target_modules, four_bit=lc.enabled and lc.load_in_4bit,
                  double_quant=lc.double_quant, reference=ref, ref_device=k.ref_device,
                  group_size=cfg.rollout.group_size, batch_size=cfg.rollout.batch_size, prompt_tokens=prompt_tokens,
                  max_new_tokens=cfg.rollout.max_new_tokens, micro_batch=cfg.optim.micro_batch_size,
                  chunk_tokens=cfg.optim.logprob_chunk, temperature=cfg.rollout.temperature,
-                 world_size=world_size, distributed=_distributed_mode(cfg.train.distributed, world_size))
+                 world_size=world_size, distributed=_distributed_mode(cfg.train.distributed, world_size),
+                 judges=judge_bytes_of(cfg, dev))
+
 
 
 def _distributed_mode(setting: str, world_size: int) -> str:
@@ -234,9 +239,17 @@ def estimate(shape: Shape, s: Setup) -> Estimate:
     ranks each holds batch_size / world_size completions; FSDP2 also divides weights, gradients and
     both AdamW moments by the world size, gathers one layer at a time in the update and every
     weight at once for generation (docs/distributed.md, "Memory per rank"); the reference is a full
-    copy on each rank, placed per `ref_device`."""
-    if s.world_size > 1 or s.distributed != "none":
-        return _estimate_per_rank(shape, s)
+    copy on each rank, placed per `ref_device`. Judge models (`reward_model`, `llm_judge`) on the
+    same device stay resident through every phase (`judges`)."""
+    est = _estimate_per_rank(shape, s) if s.world_size > 1 or s.distributed != "none" else _estimate_one(shape, s)
+    if s.judges:
+        est.parts["judges"] = s.judges
+        est.phases = {k: v + s.judges for k, v in est.phases.items()}
+        est.peak += s.judges
+    return est
+
+
+def _estimate_one(shape: Shape, s: Setup) -> Estimate:
     b = s.dtype_bytes
     base, adapters, trainable = weight_bytes(shape, s)
     train_b = 4 if s.lora else b                             # grads and AdamW moments in the param dtype

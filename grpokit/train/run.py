@@ -19,7 +19,7 @@ import torch
 
 from grpokit.errors import ConfigError
 from grpokit.train.checkpoint import load_state, nothing_to_resume
-from grpokit.train.evaluate import held_out
+from grpokit.train.evaluate import build_checker, held_out
 from grpokit.train.step import sync_weights
 
 log = logging.getLogger("grpokit.train")
@@ -30,10 +30,11 @@ class Trainer:
     `worker`, the run directory `run`, the `comm`, and optionally a held-out set and a health monitor."""
 
     def __init__(self, cfg, *, step, worker, run, comm, tokenizer, dataset, rewards, encoder,
-                 eval_dataset=None, health=None, on_exit=None, fresh_notes=None):
+                 eval_dataset=None, checker=None, health=None, on_exit=None, fresh_notes=None):
         self.cfg, self.step_fn, self.worker, self.run, self.comm = cfg, step, worker, run, comm
         self.tokenizer, self.dataset, self.rewards, self.encoder = tokenizer, dataset, rewards, encoder
         self.eval_dataset, self.health = eval_dataset, health
+        self.checker = checker                       # the RewardSet scoring held-out pass@1 (eval.checker)
         self.on_exit = on_exit or []                 # callables run once when `train` ends (the report)
         self.fresh_notes = fresh_notes or (lambda: [])   # the set-up warnings of a fresh start
         self.step_idx = 0
@@ -131,14 +132,13 @@ class Trainer:
 
     def start_fresh(self) -> None:
         """A run that does not resume: earlier output moved aside, the warnings of the run's set-up
-        checks logged, the step-0 checkpoint saved and, with `train.eval_every: 0` (or keep_best),
-        the baseline evaluation logged as step 0."""
+        checks logged, the step-0 checkpoint saved and the baseline evaluation logged as step 0."""
         self.run.start_fresh()
         for line in self.fresh_notes():
             log.warning(line)
         if self.cfg.train.save_every or self.cfg.train.save_every_minutes:
             self.save()                  # step 0: a healthy point to roll back to
-        if (self.cfg.train.eval_every == 0 or self.cfg.train.keep_best) and self.eval_dataset is not None:
+        if self.eval_dataset is not None:
             baseline = self.run_eval()   # held-out accuracy before training
             if baseline:
                 self.run.sink.write(0, baseline)
@@ -153,7 +153,10 @@ class Trainer:
     def run_eval(self) -> dict:
         if self.eval_dataset is None:
             return {}
-        out = held_out(self.engine, self.encoder, self.rewards, self.eval_dataset, self.cfg,
+        if self.checker is None:                     # a held-out set given after the run was built
+            self.checker = build_checker(self.cfg, self.eval_dataset, say=self.comm.is_main,
+                                         fns=dict(zip(self.rewards.names, self.rewards.fns)))
+        out = held_out(self.engine, self.encoder, self.checker, self.eval_dataset, self.cfg,
                        seed=self.cfg.train.seed * 1_000_003 + self.step_idx, step=self.step_idx,
                        device=self.gen.device, episodes=self.collector.episodes)
         if self.cfg.train.keep_best:

@@ -54,6 +54,9 @@ class StepSettings:
     old_logp_needed: bool = False        # mu > 1 or several mini-batches
     pass_reward: str = ""
     pass_threshold: float = 1.0
+    kl_estimator: str = "k3"
+    kl_measure_every: int = 0            # beta = 0: KL to the reference measured every N steps (0 = never)
+    kl_measure_rows: int = 16
 
 
 def sync_weights(engine, worker, version: int) -> None:
@@ -110,6 +113,9 @@ class Step:
             batch.rewards = batch.rewards - beta * kl_seq[expand]
             kl_in_reward = {"kl/ref": float(kl_seq.sum()) / max(1, int(batch.action_mask.sum())),   # token mean of k1
                             "kl/ref_seq": float(kl_seq.mean())}
+        measured = None
+        if beta == 0 and self.reference is not None and s.kl_measure_every and step_idx % s.kl_measure_every == 0:
+            measured = self.measure_kl(batch)                           # no KL term, the signal kept
         m.update(self.old_logprobs(batch))
         m["time/logprobs"] = time.perf_counter() - t
         lengths = torch.zeros(len(reps), dtype=torch.float64).index_add_(0, expand, batch.lengths.to(torch.float64))
@@ -127,8 +133,13 @@ class Step:
         sync_weights(self.engine, self.worker, step_idx + 1)           # 7 (after a rollback, too)
         if kl_in_reward is not None:                 # no KL term in the loss: kl/ref is the reward's k1
             upd.update(kl_in_reward)
+        if measured is not None:
+            upd.update(measured)
         observed = upd.get("kl/ref_seq" if s.kl_unit == "sequence" else "kl/ref", 0.0)
         self.kl_ctl.step(observed if math.isfinite(observed) else 0.0)
+        if getattr(self.kl_ctl, "handed_over", False):
+            log.info("step %d: the KL warm-up ends (beta %.4g held for %d steps); the %s controller takes over "
+                     "from beta %.4g", step_idx + 1, beta, self.kl_ctl.steps, self.kl_ctl.inner.kind, self.kl_ctl.beta)
         m["time/step"] = time.perf_counter() - t_step
         self.last_batch = batch
         out = {**self.batch_metrics(batch, adv, adv_stats, reps, lengths), "kl/beta": beta, **ctx.metrics, **m, **upd,
@@ -138,6 +149,24 @@ class Step:
                "memory/rss_mb": rss_mb()}
         # the worker's metrics are already the job's; the rest are reduced over ranks
         return comm.reduce_metrics(out, agreed=set(upd) | set(BATCH_KEYS))
+
+    @torch.no_grad()
+    def measure_kl(self, batch: Batch) -> dict[str, float]:
+        """KL(pi_theta || pi_ref) with beta = 0, on the step's first `kl_measure_rows` completions
+        before the update: the configured estimator per token, as the loss would compute it, as
+        `kl/ref` (token mean) and `kl/ref_seq` (per completion); two forward passes, no backward."""
+        s = self.s
+        rows = [i for i in range(len(batch)) if batch.action_mask[i].any()][:s.kl_measure_rows] or [0]
+        ref = self.worker.logprobs(batch, "reference", rows=rows, dropout=False)[rows].float()
+        pol = self.worker.logprobs(batch, "policy", rows=rows)[rows].float()
+        mask = batch.action_mask[rows].float()
+        on = mask.bool()
+        if not (torch.isfinite(pol[on]).all() and torch.isfinite(ref[on]).all()):
+            log.warning("KL measurement skipped this step: non-finite log-probs (the update's guard looks at them)")
+            return {}
+        per_tok = kl_lib.estimate(pol, ref, s.kl_estimator) * mask
+        return {"kl/ref": float(per_tok.sum()) / max(float(mask.sum()), 1.0),
+                "kl/ref_seq": float(per_tok.sum(-1).mean()), "kl/measured_rows": float(len(rows))}
 
     def old_logprobs(self, batch: Batch) -> dict[str, float]:
         """pi_old for the ratio. Over-confidence resampling: the distribution actually sampled from

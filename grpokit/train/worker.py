@@ -161,8 +161,10 @@ class LocalWorker:
             for mini in np.array_split(perm, a.mini_batches):
                 mini = mini.tolist()
                 n_tok, n_seq = self.counts(int(batch.loss_mask[mini].sum()), len(mini))
-                # rows that can move the gradient: non-zero advantage, or any row when KL is in the loss
-                live = [i for i in mini if (kl_in_loss or float(batch.advantages[i]) != 0.0)
+                # rows that can move the gradient: non-zero advantage, or any row when KL (or an
+                # entropy bonus) is in the loss
+                every = kl_in_loss or bool(a.entropy_coef)
+                live = [i for i in mini if (every or float(batch.advantages[i]) != 0.0)
                         and bool(batch.loss_mask[i].any())]
                 self.optimizer.zero_grad(set_to_none=True)
                 mbs = self.plan(batch, live) if live else []
@@ -217,7 +219,7 @@ class LocalWorker:
                     n_tok: int, n_seq: int) -> tuple[dict, int]:
         a = self.cfg.algorithm
         rows, dev = mb.rows, self.device
-        logp, ent = self.forward(mb, want_entropy=True)
+        logp, ent = self.forward(mb, want_entropy="grad" if a.entropy_coef else True)
         L = logp.shape[1]
         mask = batch.loss_mask[rows, :L].to(dev).to(logp.dtype)
         valid = logp.detach()[mask.bool()]
@@ -235,6 +237,11 @@ class LocalWorker:
             beta=beta if kl_in_loss else 0.0, kl_kind=a.kl.estimator, agg=a.loss_agg, num_tokens=n_tok,
             num_seqs=n_seq, max_len=self.cfg.rollout.max_new_tokens, eps_low=a.eps_low, eps_high=a.eps_high,
             dual_clip=a.dual_clip, ratio_level=a.ratio_level, is_weights=cut(batch.is_weights))
+        if a.entropy_coef:                      # an entropy bonus, aggregated like the surrogate
+            ent_term = loss_lib.aggregate(ent, mask.bool(), a.loss_agg, num_tokens=n_tok, num_seqs=n_seq,
+                                          max_len=self.cfg.rollout.max_new_tokens)
+            total = total - a.entropy_coef * ent_term
+            st["entropy_bonus"] = float(ent_term.detach()) * a.entropy_coef
         ntok = int(mask.sum())
         lp_min = float(valid.min()) if valid.numel() else math.inf
         if not torch.isfinite(total.detach()):
@@ -249,6 +256,8 @@ class LocalWorker:
                "loss/token_mean": st["policy"] if a.loss_agg == "token_mean" else st["token_sum"] / max(n_tok, 1),
                "policy/entropy": float(torch.where(mask.bool(), ent, 0.0).sum()) / max(ntok, 1),
                "policy/logprob_min": lp_min, "rows": float(mask.any(-1).sum())}
+        if "entropy_bonus" in st:
+            out["loss/entropy_bonus"] = st["entropy_bonus"]
         if "kl" in st:
             out["loss/kl"] = st["kl"]
             out["kl/ref"] = st["kl_sum"] / max(ntok, 1)

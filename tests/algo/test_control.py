@@ -233,7 +233,8 @@ def test_nonfinite_kl_raises(kind):
         ("warmup", dict(beta=0.1, shape="step"), "missing 1 required keyword-only argument: 'steps'"),
         ("warmup", dict(beta=0.1, steps=3, shape="step", start_scale=0.5), "start_scale must be finite and >= 1"),
         ("warmup", dict(beta=0.1, steps=3, shape="step", start_scale="high"), "start_scale must be a number"),
-        ("warmup", dict(beta=0.1, steps=3, shape="step", hold=3), "unexpected keyword"),
+        ("warmup", dict(beta=0.1, steps=3, shape="step", keep=3), "unexpected keyword"),
+        ("warmup", dict(beta=0.1, steps=3, shape="step", hold=3), "hold must be true or false"),
         ("warmup", dict(beta=0.1, inner={"kind": "fixed", "beta": 0.1}, steps=3, shape="step"), "not both"),
         ("schedule", dict(beta=0.1, total_steps=3, start_frac=1.5), "start_frac"),
     ],
@@ -249,17 +250,65 @@ def test_trainer_builds_the_adaptive_controller_from_config():
     from grpokit.config import load_config
     from grpokit.config.kl_control import build_kl_controller
 
-    c = build_kl_controller(load_config(["grpo"], []))
+    c = build_kl_controller(load_config(["grpo"], ["algorithm.kl.warmup_steps=0"]))
     assert c.beta == pytest.approx(0.02)
     assert c.step(20.0) == pytest.approx(0.02 * 1.05)            # above the band [1, 10] (per completion)
     assert c.step(5.0) == pytest.approx(0.02 * 1.05)             # inside: unchanged
     assert c.step(0.5) == pytest.approx(0.02)                    # below: divided
     c = build_kl_controller(load_config(["grpo"], ["algorithm.kl.adapt_factor=2", "algorithm.kl.target_unit=token",
+                                                   "algorithm.kl.warmup_steps=0",
                                                    "algorithm.kl.target_low=0.01", "algorithm.kl.target_high=0.2"]))
     assert c.step(0.15) == pytest.approx(0.02)
     assert c.step(0.3) == pytest.approx(0.04)
-    c = build_kl_controller(load_config(["grpo"], ["algorithm.kl.controller_args={factor: 1.5}"]))
+    c = build_kl_controller(load_config(["grpo"], ["algorithm.kl.controller_args={factor: 1.5}",
+                                                   "algorithm.kl.warmup_steps=0"]))
     assert c.step(20.0) == pytest.approx(0.03)
+
+
+@pytest.mark.parametrize("steps, warm", [(100, 10), (50000, 1000), (5, 0)])
+def test_the_default_controller_holds_beta_through_the_warmup_then_the_band_rules(steps, warm):
+    """The default run: beta held at 4 x 0.02 for a tenth of the run (at most 1000 steps) whatever
+    KL it sees (the band would have divided it at every step), then the adaptive band takes over
+    from 0.02, not from where a stepped controller would have drifted; `handed_over` marks the step."""
+    from grpokit.config import load_config
+    from grpokit.config.kl_control import build_kl_controller, warmup_steps
+
+    cfg = load_config(None, [f"train.steps={steps}"])
+    assert warmup_steps(cfg) == warm
+    c = build_kl_controller(cfg)
+    betas, handed = [c.beta], []
+    for t in range(warm + 3):
+        betas.append(c.step(0.01))                              # far below the band [1, 10]
+        handed.append(getattr(c, "handed_over", False))
+    assert betas[:warm] == pytest.approx([0.08] * warm)
+    assert betas[warm:] == pytest.approx([0.02, 0.02 / 1.05, 0.02 / 1.05 ** 2, 0.02 / 1.05 ** 3])
+    assert handed == [t == warm - 1 for t in range(warm + 3)] if warm else not any(handed)
+
+
+def test_a_warmup_is_not_added_to_a_controller_that_shapes_beta_itself():
+    from grpokit.config import load_config
+    from grpokit.config.kl_control import warmup_steps
+
+    assert warmup_steps(load_config(["kl_warmup"])) == 0 and warmup_steps(load_config(["reinforce"])) == 0
+    assert warmup_steps(load_config(["dapo_paper"])) == 0                 # beta = 0: nothing to warm up
+    with pytest.raises(ValueError, match="warmup controller is one already"):
+        load_config(["kl_warmup"], ["algorithm.kl.warmup_steps=5"])
+
+
+def test_a_held_warmup_resumes_from_a_state_saved_without_one():
+    """A checkpoint written before the default warm-up existed holds the adaptive controller's state
+    alone: it loads into the held warm-up as a controller already in charge."""
+    inner = build_controller("adaptive", beta=0.02, low=1.0, high=10.0)
+    inner.step(0.01)
+    held = build_controller("warmup", inner=build_controller("adaptive", beta=0.02, low=1.0, high=10.0),
+                            steps=10, shape="step", hold=True)
+    held.load_state_dict(inner.state_dict())
+    assert held.beta == pytest.approx(0.02 / 1.5) and held.t == 10
+    fresh = build_controller("warmup", inner=build_controller("adaptive", beta=0.02, low=1.0, high=10.0),
+                             steps=10, shape="step", hold=True)
+    fresh.step(0.01)
+    held.load_state_dict(fresh.state_dict())                    # its own state: mid-warm-up
+    assert held.t == 1 and held.beta == pytest.approx(0.08)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -369,3 +418,28 @@ def test_a_bad_state_is_refused_not_loaded(kind, kwargs, state, match):
 def test_non_finite_arguments_are_refused(kind, kwargs):
     with pytest.raises(ValueError, match="finite"):
         build_controller(kind, **kwargs)
+
+
+def test_a_resumed_default_run_keeps_the_warmup_it_started_with():
+    """The default warm-up's length follows train.steps; a run resumed with more steps (or fewer,
+    down to no warm-up at all) finds the controller its checkpoint holds and the length saved in it."""
+    from grpokit.config import load_config
+    from grpokit.config.kl_control import build_kl_controller
+
+    first = build_kl_controller(load_config(None, ["train.steps=40"]))     # 4 steps of warm-up
+    for _ in range(2):
+        first.step(0.01)
+    for steps in (400, 5):                                                  # 40 steps / none by default
+        resumed = build_kl_controller(load_config(None, [f"train.steps={steps}"]))
+        resumed.load_state_dict(first.state_dict())
+        betas = [resumed.step(0.01) for _ in range(3)]
+        assert betas == pytest.approx([0.08, 0.02, 0.02 / 1.05])           # 2 more held, then the band
+
+
+def test_an_asked_for_warmup_holds_a_fixed_beta_too():
+    from grpokit.config import load_config
+    from grpokit.config.kl_control import build_kl_controller
+
+    c = build_kl_controller(load_config(None, ["algorithm.kl.controller=fixed", "algorithm.kl.warmup_steps=2"]))
+    assert [c.beta] + [c.step(5.0) for _ in range(3)] == pytest.approx([0.08, 0.08, 0.02, 0.02])
+    assert build_kl_controller(load_config(None, ["algorithm.kl.controller=fixed"])).beta == pytest.approx(0.02)

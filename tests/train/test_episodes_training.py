@@ -169,7 +169,8 @@ def test_evaluation_runs_the_episodes_too(setup, tmp_path, capsys):
         "    return [float(t >= 1 and r is not None) for t, r in zip(turns, stop_reason)]\n")
     cfg = tmp_path / "agent.yaml"
     cfg.write_text("rollout:\n  env: tests.rollout.agent_envs:AgainEnv\n  max_new_tokens: 40\n"
-                   f"rewards:\n  - {{name: '{tmp_path / 'episode_reward.py'}:played'}}\n")
+                   f"rewards:\n  - {{name: '{tmp_path / 'episode_reward.py'}:played'}}\n"
+                   f"eval: {{checker: '{tmp_path / 'episode_reward.py'}:played'}}\n")   # not the math checker
     assert cli.main(["eval", "--model", str(model_dir), "--data", str(data), "--config", str(cfg)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["prompts"] == 4 and out["eval/pass@1"] == 1.0       # every prompt was played as an episode

@@ -109,7 +109,8 @@ def test_resume_carries_the_best_policy_on(setup, monkeypatch):
 def test_keep_best_without_a_split_to_choose_by_is_refused(setup):
     _, model_dir, train, _ = setup
     with pytest.raises(ConfigError, match="eval_every"):
-        load_config(None, small_overrides(model_dir, train, setup[0] / "x", **{"train.keep_best": True}))
+        load_config(None, small_overrides(model_dir, train, setup[0] / "x", **{"train.keep_best": True,
+                                                                              "train.eval_every": 0}))
     with pytest.raises(ConfigError, match="data.eval_path"):
         _trainer(setup, setup[0] / "y", **{"data.eval_path": ""})
 

@@ -86,10 +86,10 @@ def test_resume_from_a_step0_checkpoint_logs_each_alarm_once(setup):
     assert [r["step"] for r in _rows(run / "metrics.jsonl")] == [1, 2, 3]
 
 
-@pytest.mark.parametrize("every, steps, evaluated", [(0, 2, [0, 2]), (2, 3, [2, 3])])
+@pytest.mark.parametrize("every, steps, evaluated", [(0, 2, [0, 2]), (2, 3, [0, 2, 3])])
 def test_held_out_evaluation_steps(setup, every, steps, evaluated):
-    """eval_every N: every N steps and after the last; 0: before the first step (row 0, holding
-    only eval/* and time) and after the last."""
+    """Before the first step (row 0, holding only eval/* and time), then eval_every N: every N steps
+    and after the last; 0: after the last only."""
     held = setup[3]
     run = setup[0] / f"eval{every}"
     _trainer(setup, run, **{"train.steps": steps, "train.eval_every": every, "data.eval_path": held,
