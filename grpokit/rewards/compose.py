@@ -269,8 +269,10 @@ class RewardSet:
         metrics: dict[str, float] = {}
         for spec, fn in zip(self.specs, self.fns):
             t0 = time.perf_counter()
-            vals = self._invoke(spec.name, fn, {**columns, **spec.args}, spec.timeout_s, prompts, completions)
-            metrics[f"time/reward/{spec.name}"] = time.perf_counter() - t0
+            settings = getattr(fn, "settings", ())         # parameters no column may fill (the judges')
+            cols = {k: v for k, v in columns.items() if k not in settings} if settings else columns
+            vals = self._invoke(spec.name, fn, {**cols, **spec.args}, spec.timeout_s, prompts, completions)
+            metrics[f"time/reward_{spec.name}"] = time.perf_counter() - t0
             failed = vals is None
             if failed:
                 vals = [None] * n

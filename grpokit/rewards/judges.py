@@ -7,7 +7,7 @@ inference mode, and are registered rewards like any other: list them in `rewards
 or name one as the held-out checker (`eval.checker: llm_judge` with `eval.checker_args`), where a
 judge that shares nothing with the rule-based training reward is the independent cross-check of
 the reward-hacking alarm (docs/rewards.md, "Judges"). A judge costs its model's memory and a
-forward pass per completion (`llm_judge`: a short greedy generation); `time/reward/<name>` in
+forward pass per completion (`llm_judge`: a short greedy generation); `time/reward_<name>` in
 the step's metrics is its time. Nothing is downloaded: `model` is a local directory.
 """
 
@@ -152,6 +152,8 @@ def reward_model(prompts, completions, *, model: str, template: str = "{prompt}{
 
 
 reward_model.validate_args = _check_judge_args
+reward_model.settings = ("model", "template", "device", "dtype", "batch_size", "max_length", "label", "squash",
+                         "normalize")
 
 DEFAULT_RUBRIC = ("Rate the response to the task below from 0 (wrong or useless) to 10 (correct and "
                   "complete). Answer with the number only.\n\nTask: {prompt}\n\nResponse: {completion}\n\nScore:")
@@ -175,7 +177,7 @@ def parse_score(text: str, scale: float) -> float | None:
 
 @register("llm_judge", columns=[])
 def llm_judge(prompts, completions, *, model: str, rubric: str = DEFAULT_RUBRIC, scale: float = 10.0,
-              device: str = "cpu", dtype: str = "float32", batch_size: int = 16, max_new_tokens: int = 8,
+              device: str = "cpu", dtype: str = "float32", batch_size: int = 16, answer_tokens: int = 8,
               max_prompt_tokens: int = 2048, chat: bool = True, cache_size: int = 10000, **columns):
     """A local causal LM judges each completion: `rubric` filled with the prompt, the completion
     and any dataset column (e.g. {answer}), decoded greedily (deterministic), its first number /
@@ -213,7 +215,7 @@ def llm_judge(prompts, completions, *, model: str, rubric: str = DEFAULT_RUBRIC,
             part = todo[s:s + batch_size]
             enc = tok([render(t) for _, _, t in part], return_tensors="pt", padding=True, truncation=True,
                       max_length=max_prompt_tokens, add_special_tokens=not chat).to(device)
-            gen = lm.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id)
+            gen = lm.generate(**enc, do_sample=False, max_new_tokens=answer_tokens, pad_token_id=tok.pad_token_id)
             answers = tok.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
             for (i, key, _), ans in zip(part, answers):
                 v = parse_score(ans, scale)
@@ -227,3 +229,7 @@ def llm_judge(prompts, completions, *, model: str, rubric: str = DEFAULT_RUBRIC,
 
 
 llm_judge.validate_args = _check_judge_args
+llm_judge.settings = ("model", "rubric", "scale", "device", "dtype", "batch_size", "answer_tokens",
+                      "max_prompt_tokens", "chat", "cache_size")
+"""The judges' settings come from their args (or defaults), never from a dataset column of the same
+name, nor from the trainer's `max_new_tokens` column (RewardSet drops those columns for them)."""

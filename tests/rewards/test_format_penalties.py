@@ -171,9 +171,26 @@ STANDARD = dict(answer=["4", "5"], tests=["assert True", "assert True"], steps=[
                 some_unknown_column=[{"x": 1}, None])
 
 
+@pytest.fixture(scope="module")
+def judge_models(tmp_path_factory):
+    """A tiny (random) classifier and causal LM for the judges, which need a model."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from grpokit.tasks.tiny import build_char_tokenizer, build_tiny_model, save_pretrained
+
+    root = tmp_path_factory.mktemp("judges")
+    tok = build_char_tokenizer()
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, intermediate_size=32, num_labels=1, pad_token_id=tok.pad_token_id)
+    return {"reward_model": str(save_pretrained(Qwen2ForSequenceClassification(cfg), tok, root / "rm")),
+            "llm_judge": str(save_pretrained(build_tiny_model(tok, hidden=16, layers=1, heads=2, max_positions=512),
+                                             tok, root / "lm"))}
+
+
 @pytest.mark.parametrize("name", sorted(REGISTRY))
-def test_every_reward_accepts_unknown_columns_and_returns_one_score_each(name):
-    out = REGISTRY[name](["p", "p"], ["\\boxed{4}", "<think>a</think><answer>5</answer>"], **STANDARD)
+def test_every_reward_accepts_unknown_columns_and_returns_one_score_each(name, request):
+    extra = {"model": request.getfixturevalue("judge_models")[name]} if name in ("reward_model", "llm_judge") else {}
+    out = REGISTRY[name](["p", "p"], ["\\boxed{4}", "<think>a</think><answer>5</answer>"], **STANDARD, **extra)
     assert isinstance(out, list) and len(out) == 2
     assert all(v is None or isinstance(v, float) for v in out)
 

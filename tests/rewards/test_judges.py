@@ -55,6 +55,15 @@ def test_a_reward_model_scores_each_text_as_its_classifier_does_alone(classifier
         [1 / (1 + torch.exp(torch.tensor(-v)).item()) for v in want], abs=1e-5)
 
 
+def test_a_judges_settings_never_come_from_a_column(classifier):
+    """The trainer passes a `max_new_tokens` column to every reward, and a dataset may hold a column
+    named like a judge's setting (`model`, `device`): the judge reads its settings from its args."""
+    rs = RewardSet.from_specs([{"name": "reward_model", "args": {"model": str(classifier)}}])
+    cols = {"model": ["/elsewhere", "/elsewhere"], "device": ["meta", "meta"], "max_new_tokens": [8, 8]}
+    got = rs.score(["1+1=", "2+2="], ["2", "4"], cols).per_fn["reward_model"]
+    assert got == pytest.approx(_alone(classifier, ["1+1=2", "2+2=4"]), abs=1e-5)
+
+
 def test_a_reward_model_normalised_per_group(classifier):
     prompts, completions = ["3+4="] * 6, ["7", "6", "77", "1", "7", "70"]
     groups = [0, 0, 0, 1, 1, 1]
@@ -109,7 +118,7 @@ def judge(tmp_path_factory):  # about 10 s of supervised steps on 2 cores
     return save_pretrained(model, tok, tmp_path_factory.mktemp("judge") / "judge")
 
 
-ARGS = {"rubric": "{prompt}{completion}?", "chat": False, "scale": 10, "max_new_tokens": 3}
+ARGS = {"rubric": "{prompt}{completion}?", "chat": False, "scale": 10, "answer_tokens": 3}
 
 
 @pytest.mark.slow
