@@ -133,8 +133,6 @@ class Step:
         sync_weights(self.engine, self.worker, step_idx + 1)           # 7 (after a rollback, too)
         if kl_in_reward is not None:                 # no KL term in the loss: kl/ref is the reward's k1
             upd.update(kl_in_reward)
-        if measured is not None:
-            upd.update(measured)
         observed = upd.get("kl/ref_seq" if s.kl_unit == "sequence" else "kl/ref", 0.0)
         self.kl_ctl.step(observed if math.isfinite(observed) else 0.0)
         if getattr(self.kl_ctl, "handed_over", False):
@@ -143,6 +141,7 @@ class Step:
         m["time/step"] = time.perf_counter() - t_step
         self.last_batch = batch
         out = {**self.batch_metrics(batch, adv, adv_stats, reps, lengths), "kl/beta": beta, **ctx.metrics, **m, **upd,
+               **(measured or {}),                   # this rank's sample: reduced over ranks below
                **self.guard.metrics(), **(self.reference.metrics() if self.reference is not None else {}),
                **({"ref/integrity_drift": drift} if drift is not None else {}),
                "throughput/tokens_per_s": float(batch.lengths.sum()) / max(m["time/step"], 1e-9),
@@ -156,9 +155,12 @@ class Step:
         before the update: the configured estimator per token, as the loss would compute it, as
         `kl/ref` (token mean) and `kl/ref_seq` (per completion); two forward passes, no backward."""
         s = self.s
-        rows = [i for i in range(len(batch)) if batch.action_mask[i].any()][:s.kl_measure_rows] or [0]
+        rows = [i for i in range(len(batch)) if batch.action_mask[i].any()][:s.kl_measure_rows]
+        # every rank calls both passes, with or without rows (a sharded policy's forward is collective)
         ref = self.worker.logprobs(batch, "reference", rows=rows, dropout=False)[rows].float()
         pol = self.worker.logprobs(batch, "policy", rows=rows)[rows].float()
+        if not rows:
+            return {}
         mask = batch.action_mask[rows].float()
         on = mask.bool()
         if not (torch.isfinite(pol[on]).all() and torch.isfinite(ref[on]).all()):
