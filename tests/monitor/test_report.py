@@ -220,7 +220,7 @@ def _chromium() -> str | None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_chromium() is None, reason="Chromium not on PATH (apt-get install chromium)")
+@pytest.mark.skipif(_chromium() is None, reason="Chromium not on PATH (make test-report installs it)")
 def test_report_renders_in_headless_chromium(run_dir, tmp_path):
     import matplotlib.image as mpimg
 
@@ -238,6 +238,38 @@ def test_report_renders_in_headless_chromium(run_dir, tmp_path):
     rgb = img[..., :3]
     assert rgb.std() > 0.05  # not one flat colour
     assert (rgb.min(axis=-1) < 0.5).mean() > 0.005  # some dark pixels: text and plot lines
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_chromium() is None, reason="Chromium not on PATH (make test-report installs it)")
+def test_a_hacked_runs_report_shows_the_alarm_in_headless_chromium(tmp_path):
+    """The report of a run whose reward climbs while held-out pass@1 falls, rendered by Chromium:
+    the page it builds (its DOM after load) names the reward_hacking alarm with its advice, and
+    draws every plot (each <img> decoded to its full size)."""
+    hist = healthy_history(80, eval_every=10)
+    for row in hist:
+        t = row["step"]
+        row["reward/mean"] = 0.2 + 0.7 * t / 80                      # climbing
+        for k in ("eval/pass@1", "eval/mean@k"):
+            if k in row:
+                row[k] = max(0.0, 0.6 - 0.5 * t / 80)                  # while held-out accuracy falls
+    path = tmp_path / "run"
+    mon = HealthMonitor(HealthConfig.model_validate(CONFIG["health"]), path, print_fn=lambda s: None)
+    fired = {a.name for row in hist for a in mon.update(row["step"], row)}
+    assert "reward_hacking" in fired
+    report = write_report(write_run_dir(path, hist, config=CONFIG))
+    probe = (tmp_path / "probe.html")
+    probe.write_text(report.read_text().replace(
+        "</body>", "<script>window.addEventListener('load', () => {document.body.setAttribute('data-drawn', "
+                   "[...document.images].filter(i => i.complete && i.naturalWidth > 100).length + '/' + "
+                   "document.images.length);});</script></body>"))
+    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", "--virtual-time-budget=5000",
+           "--disable-background-networking", "--disable-component-update", "--no-first-run", "--disable-sync",
+           f"--user-data-dir={tmp_path / 'profile'}", probe.resolve().as_uri()]
+    dom = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
+    assert "reward_hacking" in dom and "tighten the answer checker" in dom    # the alarm and its advice
+    drawn = re.search(r'data-drawn="(\d+)/(\d+)"', dom)
+    assert drawn and int(drawn.group(1)) == int(drawn.group(2)) > 10, drawn and drawn.group(0)
 
 
 def test_many_bad_lines_are_counted_not_listed(tmp_path):

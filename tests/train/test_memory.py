@@ -216,3 +216,23 @@ def test_fsdp2_divides_weights_grads_and_optimizer_by_the_world_size(tmp_path):
     assert ddp.parts["optimizer"] == one.parts["optimizer"] and ddp.parts["kv_cache"] < one.parts["kv_cache"]
     with pytest.raises(ValueError, match="whole groups"):
         estimate(shape, Setup(batch_size=24, group_size=8, world_size=2, distributed="fsdp2"))
+
+
+def test_every_cut_of_the_memory_order_says_what_it_costs(tmp_path):
+    """The rule R6 names a cost for each cut; the plan states it beside the memory it saves."""
+    cfg = load_config(["grpo"], [f"model.path={_qwen7b_dir(tmp_path)}", "rollout.max_new_tokens=1024"])
+    shape = mem.load_shape(cfg.model.path)
+    rows = mem.plan(shape, mem.setup_from_config(cfg, device="cuda", prompt_tokens=256), 1 * mem.GiB,
+                    lr=cfg.optim.lr, prompts_per_step=cfg.prompts_per_step)
+    costs = {r.step.split(":")[0].split(" r=")[0]: r.cost for r in rows}
+    assert costs["as configured"] == ""
+    assert "+23% time" in costs["gradient checkpointing"] and "capacity" in costs["LoRA"]
+    assert "0.047 nats/token" in costs["4-bit base weights (QLoRA)"] and "noisier advantages" in costs["smaller G"]
+    assert costs["reference offload to CPU"] == "" and "no reference copy" in rows[4].note   # LoRA's adapters-off
+    assert all(r.cost or r.note for r in rows[1:])
+    assert mem.format_plan(rows, 1 * mem.GiB).count("cost: ") == sum(bool(r.cost) for r in rows) == len(rows) - 2
+    copy = mem.setup_from_config(cfg, device="cuda", prompt_tokens=256)
+    copy.lora, copy.reference = True, "copy"                       # a reference copy on the GPU: offloaded
+    off = next(r for r in mem.plan(shape, copy, 1 * mem.GiB) if r.step == "reference offload to CPU")
+    assert "CPU speed" in off.cost
+
