@@ -3,9 +3,10 @@ and `optim`: advantages, loss, KL and the optimizer."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from grpokit._names import did_you_mean
 from grpokit.config.base import AdvantageName, AggregationName, ControllerName, KLKindName, _Section, check_failed
@@ -76,10 +77,20 @@ class KLConfig(_Section):
     the policy; `cpu` (kept and run on the CPU); `swap` (kept on the CPU, moved to the policy's
     device for each reference pass). Ignored for LoRA, whose reference is the policy with its
     adapters off (no copy)."""
-    ref_cache: int = Field(0, ge=0)
+    ref_cache: int | Literal["auto"] = "auto"
     """Cache up to this many per-sample reference log-prob vectors keyed by (prompt, completion)
-    token ids, so repeated samples are not recomputed (practitioner's rule "LoRA-GRPO": pre-cached
-    reference log-probs); 0 = off. Off when ref_dropout > 0."""
+    token ids, so repeated samples (identical completions in a group, a prompt answered the same
+    way again) are not recomputed (practitioner's rule "LoRA-GRPO": pre-cached reference
+    log-probs). `auto` (default): 4096 entries, let go after the first 10 reference passes if
+    under 5% of the samples were hits (long, varied completions never repeat, and the cache would
+    only hold memory); a number: that many, kept; 0 = off. Off when ref_dropout > 0."""
+
+    @field_validator("ref_cache")
+    @classmethod
+    def _cache_size(cls, v):
+        if isinstance(v, int) and v < 0:
+            raise ValueError(f"algorithm.kl.ref_cache must be >= 0 or auto, got {v}")
+        return v
 
 
 class FilterConfig(_Section):
@@ -93,6 +104,32 @@ class FilterConfig(_Section):
     """Drop samples scoring <= 0 on this reward function (a format check; one of `rewards`)."""
     drop_nonfinite: bool = True
     """Drop samples whose reward could not be computed."""
+    score_threshold: float | None = Field(None, gt=0)
+    """The combined proxy score (grpokit.data.filters.ProxyScore): drop a sample when the weighted
+    sum of its proxies (truncated, length, format, duplicate, uninformative) reaches this. The
+    uninformative term is a completion above its group's mean reward that is degenerate (repeated
+    spans, tags around nothing, an answer without work). None (default) = off; 1.0 with the
+    default weights drops one strong sign or two weak ones. Logged as `filter/score_mean`,
+    `filter/dropped_score`, `filter/uninformative`."""
+    weights: dict[str, float] = {"truncated": 0.5, "length": 0.5, "format": 0.5, "duplicate": 0.25,
+                                 "uninformative": 1.5}
+    """Weight of each proxy in the combined score (a proxy left out weighs 0)."""
+    min_work_words: int = Field(0, ge=0)
+    """A rewarded completion showing fewer words than this outside its markup and final answer counts
+    as uninformative ("answer without work"). 0 = not checked: on tasks answered in one line
+    (arithmetic) a bare answer is the right one."""
+
+    @model_validator(mode="after")
+    def _weights(self):
+        from grpokit.data.filters import PROXIES
+
+        for k, v in self.weights.items():
+            if k not in PROXIES:
+                raise check_failed(f"algorithm.sample_filter.weights: unknown proxy '{k}' (proxies: "
+                                   f"{', '.join(PROXIES)}){did_you_mean(k, PROXIES)}")
+            if not (v >= 0 and math.isfinite(v)):
+                raise check_failed(f"algorithm.sample_filter.weights.{k} must be a finite number >= 0, got {v}")
+        return self
 
 
 class RewriteConfig(_Section):
@@ -100,8 +137,13 @@ class RewriteConfig(_Section):
     """Wrong-answer rewriting (grpokit.data.rewrite): wrong completions become teaching sequences."""
     weight: float = Field(0.1, ge=0)
     """Weight of the auxiliary likelihood term on the rewritten note."""
-    template: str = "\nThat is wrong: the verified answer differs. The answer is {answer}."
-    """Note appended to a wrong completion; `{answer}` is the reference answer."""
+    template: str = "\nThat is wrong: {why}."
+    """Note appended to a wrong completion. `{why}`: the first reward's diagnosis of it (math: the
+    value given against the expected one; code: the failing test and its error), or "the verified
+    answer differs" when that reward has none; `{answer}`: the reference answer (rows without one
+    are then skipped)."""
+    answer_template: str = " The answer is {answer}."
+    """Appended to the note when the row has a reference answer and `template` does not use it."""
     max_per_step: int = Field(16, ge=1)
     """Rewritten sequences per step at most."""
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from grpokit._names import did_you_mean
-from grpokit.config.base import _Section
+from grpokit.config.base import _Section, check_failed
 
 
 class ModelConfig(_Section):
@@ -37,13 +37,32 @@ class ModelConfig(_Section):
 
 class CurriculumConfig(_Section):
     enabled: bool = False
-    """Curriculum sampling (grpokit.data.curriculum): easier prompts first."""
+    """Curriculum sampling (grpokit.data.curriculum): a bar on prompt difficulty that rises as the
+    policy improves, medium prompts first under it."""
+    bar: Literal["pass_rate", "steps"] = "pass_rate"
+    """What lifts the bar: `pass_rate`, the running pass rate (from `start` while it is below
+    `rise_from` to `end` when it reaches `rise_to`; the bar never falls; prompts passed about half
+    the time first); `steps`, a linear ramp over `ramp_steps` (easiest first)."""
     start: float = Field(0.3, ge=0, le=1)
-    """Difficulty threshold at step 0 (difficulty = 1 - pass rate)."""
+    """The bar at step 0: the most difficult prompt admitted (difficulty = 1 - pass rate)."""
     end: float = Field(1.0, ge=0, le=1)
-    """Difficulty threshold once the ramp is over."""
+    """The bar at its highest."""
+    rise_from: float = Field(0.5, ge=0, le=1)
+    """`pass_rate` bar: the running pass rate at which the bar starts to rise."""
+    rise_to: float = Field(0.9, ge=0, le=1)
+    """`pass_rate` bar: the running pass rate at which it reaches `end`."""
+    running_ema: float = Field(0.2, gt=0, le=1)
+    """`pass_rate` bar: weight of each step's pass rate in the running pass rate."""
     ramp_steps: int = Field(100, ge=1)
-    """Steps over which the threshold rises linearly."""
+    """`steps` bar: steps over which the bar rises linearly."""
+
+    @model_validator(mode="after")
+    def _rise(self):
+        if self.rise_from >= self.rise_to:
+            raise check_failed(f"data.curriculum.rise_from ({self.rise_from:g}) must be below rise_to ({self.rise_to:g})")
+        if self.start > self.end:
+            raise check_failed(f"data.curriculum.start ({self.start:g}) is above end ({self.end:g})")
+        return self
     pool_factor: int = Field(4, ge=1)
     """Candidates considered per prompt drawn."""
     ema: float = Field(0.5, gt=0, le=1)

@@ -37,11 +37,11 @@ from .compose import CrossCheck, RewardOutput, RewardSet, RewardSpec, check_args
 from .determinism import check_determinism, check_rows, probe_batch
 from .math import verify
 from .penalties import is_truncated
-from .registry import REGISTRY, RewardFn, get, read_column, register
+from .registry import REGISTRY, RewardFn, diagnoses, get, read_column, register
 from .user import check_columns, required_columns, resolve
 
 __all__ = [
-    "REGISTRY", "RewardFn", "register", "get", "read_column", "resolve", "required_columns", "check_columns",
+    "REGISTRY", "RewardFn", "register", "diagnoses", "get", "read_column", "resolve", "required_columns", "check_columns",
     "RewardSpec", "RewardSet", "RewardOutput", "CrossCheck", "check_args",
     "check_determinism", "check_rows", "probe_batch",
     "verify", "run_tests", "run_tests_batch", "CodeResult", "extract_code", "is_truncated",

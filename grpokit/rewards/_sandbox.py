@@ -181,6 +181,7 @@ class CodeResult:
     untrusted: int = 0
     untrusted_passed: int = 0
     trusted_total: int = 0
+    failed_test: str = ""      # the first failing test, in a few words (`TestPlan.describe`)
 
     @property
     def fraction(self) -> float:
@@ -450,10 +451,12 @@ def _result(run: _Run, plan: TestPlan, verdicts: list[tuple[bool, str]], redo: l
     """The CodeResult of a judged run; `redo` are the tests judged by the sandbox's second run."""
     n = sum(ok for ok, _ in verdicts)
     untrusted = {i for i, c in enumerate(plan.checks) if plan.mode == "assert" and not c.trusted} | set(redo)
-    first_fail = next((f"test {i + 1}: {why}" for i, (ok, why) in enumerate(verdicts) if not ok), "")
+    failing = next((i for i, (ok, _) in enumerate(verdicts) if not ok), None)
+    first_fail = f"test {failing + 1}: {verdicts[failing][1]}" if failing is not None else ""
     status, detail = _label(run, n == plan.total, first_fail)
     return CodeResult(n, plan.total, status, run.out.text(), run.err.text(), time.monotonic() - t0, detail[:500],
-                      len(untrusted), sum(verdicts[i][0] for i in untrusted), plan.total - plan.untrusted)
+                      len(untrusted), sum(verdicts[i][0] for i in untrusted), plan.total - plan.untrusted,
+                      plan.describe(failing) if failing is not None else "")
 
 
 def _label(run: _Run, all_passed: bool, first_fail: str) -> tuple[str, str]:

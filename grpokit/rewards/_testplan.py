@@ -88,6 +88,13 @@ class TestPlan:
         """Tests whose verdict always comes from the sandbox (fixed by the tests' form)."""
         return sum(1 for c in self.checks if isinstance(c, _Check) and not c.trusted)
 
+    def describe(self, i: int) -> str:
+        """Test `i` in a few words, for a diagnosis: its source (assert tests), or the input and the
+        output it expects (stdin/stdout cases)."""
+        if self.mode == "io":
+            return _short(f"with input {self.steps[i]!r} (expected output {self.checks[i]!r})")
+        return self.checks[i].src
+
     def redo_steps(self, tests) -> list:
         """The steps of a second run in which each test of `tests` runs its own asserts in the
         sandbox (a value it needs was not plain data); every other step as in the first run, so

@@ -36,7 +36,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 from ._sandbox import CodeResult, Isolation, isolation, run_job, set_isolation  # noqa: F401
-from .registry import read_column, register
+from .registry import diagnoses, read_column, register
 
 _OPEN = re.compile(r"[ \t]*```[ \t]*([A-Za-z0-9_+-]*)")
 _CLOSE = re.compile(r"[ \t]*```[ \t]*")
@@ -150,3 +150,38 @@ def _score(res: CodeResult, all_or_nothing: bool, trusted_only: bool) -> float |
     if all_or_nothing:
         return 1.0 if finished and passed == total else 0.0
     return passed / total
+
+
+def failure(res: CodeResult | None) -> str | None:
+    """Why a program failed its tests, in words (the failing test and its error), or None when it
+    passed or could not be run; `res` None: there was no program."""
+    if res is None:
+        return "it has no fenced code block to run"
+    if res.status in ("ok", "error"):
+        return None
+    if res.status == "crashed":
+        return f"the program fails before its tests: {res.detail}"
+    if res.status in ("timeout", "memory"):
+        what = "time" if res.status == "timeout" else "memory"
+        test = f" on {res.failed_test}" if res.failed_test else ""
+        return f"the program runs out of {what}{test} ({res.detail}); {res.passed} of {res.total} tests pass"
+    why = res.detail.split(": ", 1)[1] if ": " in res.detail else res.detail
+    test = f"the test {res.failed_test}" if res.failed_test else res.detail.split(": ", 1)[0]
+    return f"{test} fails ({why}); {res.passed} of {res.total} tests pass"
+
+
+@diagnoses(code_tests)
+def _code_diagnosis(prompts, completions, *, tests_column: str = "tests", timeout_s: float = 5.0,
+                    memory_mb: int = 512, max_workers: int | None = None, objects_in_sandbox: bool = False,
+                    **columns) -> list[str | None]:
+    """Each completion's failure (`failure`), from a fresh run of its program (a diagnosis is asked
+    for the few completions rewritten per step)."""
+    tests = read_column("code_tests", tests_column, columns, len(completions))
+    programs = [extract_code(c) for c in completions]
+    todo = [i for i, (p, t) in enumerate(zip(programs, tests)) if p is not None and t is not None]
+    results = run_tests_batch([programs[i] for i in todo], [tests[i] for i in todo], max_workers=max_workers,
+                              timeout_s=timeout_s, memory_mb=memory_mb, objects_in_sandbox=objects_in_sandbox)
+    out: list[str | None] = [failure(None) if p is None and t is not None else None for p, t in zip(programs, tests)]
+    for i, res in zip(todo, results):
+        out[i] = failure(res)
+    return out

@@ -293,6 +293,31 @@ class RewardSet:
             metrics.update(self._cross_check(prompts, completions, columns, per_fn))
         return RewardOutput(total, per_fn, metrics)
 
+    def diagnose(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> list[str | None]:
+        """Why each completion fails the first reward, in words (its `diagnose`, see
+        grpokit.rewards.registry), or None per completion where that reward has no diagnosis. A
+        diagnosis that raises or returns the wrong shape is contained like a reward: logged once,
+        None for the call."""
+        spec, fn = self.specs[0], self.fns[0]
+        diag = getattr(fn, "diagnose", None)
+        n = len(completions)
+        if diag is None or n == 0:
+            return [None] * n
+        settings = getattr(fn, "settings", ())
+        cols = {k: v for k, v in columns.items() if k not in settings} if settings else columns
+        try:
+            out = list(diag(prompts, completions, **{**cols, **spec.args}))
+            if len(out) != n:
+                raise ValueError(f"returned {len(out)} diagnoses for {n} completions")
+            return [o if isinstance(o, str) and o.strip() else None for o in out]
+        except Exception:  # noqa: BLE001 - a diagnosis is optional: the note falls back to its generic text
+            key = f"{spec.name}.diagnose"
+            if key not in self._logged:
+                self._logged.add(key)
+                logger.error("the diagnosis of reward %r failed; rewritten notes use the generic text "
+                             "(first failure):\n%s", spec.name, traceback.format_exc())
+            return [None] * n
+
     def _invoke(self, name: str, fn, kwargs: dict, timeout_s: float | None, prompts, completions):
         """The validated scores, or None after a contained failure."""
         n = len(completions)

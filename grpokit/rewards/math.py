@@ -38,7 +38,7 @@ from . import _mathalt as alt
 from . import _mathcore as core
 from ._mathcore import Extraction, extract_answer  # noqa: F401 - public helpers
 from ._workers import WorkerError, WorkerPool
-from .registry import read_column, register
+from .registry import diagnoses, read_column, register
 
 DEFAULT_TIMEOUT_S = 1.5  # the issue's limit is 2 s; the rest is margin for the kill and a slow machine
 
@@ -206,6 +206,43 @@ def math_accuracy_alt(prompts, completions, *, answer_column: str = "answer",
     """Independent second checker for `CrossCheck` (see the module docstring)."""
     refs = read_column("math_accuracy_alt", answer_column, columns, len(completions))
     return _batch(judge_alt, completions, refs, timeout_s, strict_numbers)
+
+
+def diagnosis(completion: str, reference, *, strict_numbers: bool = True) -> str | None:
+    """Why `completion` is wrong against `reference`, in words (the answer given against the
+    expected one), for wrong-answer rewriting; None without a reference. It reads the answer as
+    `judge` does but runs no equivalence check: call it on completions already judged wrong."""
+    if reference is None:
+        return None
+    try:
+        ref = core.reference_answer(reference)
+        if not ref:
+            return None
+        ex = extract_answer(completion if isinstance(completion, str) else str(completion))
+        given = list({core.squash(a): a for a in (x.strip() for x in ex.answers) if a}.values())
+        if not given:
+            return f"it states no final answer; the expected answer is {ref}"
+        if len(given) > 1 or ex.hedged:
+            return f"it gives more than one answer ({', '.join(_short(g) for g in given[:4])}) where one, {ref}, is expected"
+        ans = given[0]
+        if strict_numbers and core.unevaluated(core.normalize(ans), core.normalize(ref)):
+            return f"its final answer {_short(ans)} is an expression, not the number {ref}"
+        return f"its final answer is {_short(ans)}, not {ref}"
+    except Exception:  # noqa: BLE001 - a diagnosis is optional; an unreadable input has none
+        return None
+
+
+def _short(text: str, n: int = 60) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+@diagnoses(math_accuracy)
+@diagnoses(math_accuracy_alt)
+def _math_diagnosis(prompts, completions, *, answer_column: str = "answer", strict_numbers: bool = True,
+                    **columns) -> list[str | None]:
+    refs = read_column("math_accuracy", answer_column, columns, len(completions))
+    return [diagnosis(c, r, strict_numbers=strict_numbers) for c, r in zip(completions, refs)]
 
 
 _RATIO = re.compile(r"([+-]?)(?:\\frac\{([+-]?\d+)\}\{([+-]?\d+)\}|\\frac(\d)(\d)|(\d+)/([+-]?\d+))")

@@ -12,6 +12,11 @@ extra keyword arguments. Every reward must accept and ignore columns it does not
 A reward that reads dataset columns declares them (`columns=`), so a dataset without one is refused
 before the model is loaded (`grpokit.rewards.user.check_columns`); a function that does not declare
 them is read from its signature (its required parameters besides prompts and completions).
+
+A reward may also say *why* a completion fails: `@diagnoses(reward)` attaches a function with the
+same signature returning, per completion, a short sentence (the value given against the expected
+one, the failing test and its error) or None. Wrong-answer rewriting writes it into the note it
+teaches (grpokit.data.rewrite); it is called only on the few completions rewritten each step.
 """
 
 from __future__ import annotations
@@ -54,6 +59,18 @@ def register(name: str, *, own_time_limit: bool = False, columns=None):
         fn.own_time_limit = bool(own_time_limit)
         if columns is not None:
             fn.required_columns = columns if callable(columns) else tuple(columns)
+        return fn
+
+    return deco
+
+
+def diagnoses(reward_fn):
+    """Decorator: the function below is `reward_fn`'s diagnosis (`reward_fn.diagnose`), called
+    like the reward with the same columns and arguments, returning a sentence or None per
+    completion."""
+
+    def deco(fn):
+        reward_fn.diagnose = fn
         return fn
 
     return deco

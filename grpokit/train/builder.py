@@ -238,7 +238,9 @@ def _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, env
     gen = torch.Generator(device="cpu" if dev.type == "cpu" else dev)
     gen.manual_seed(cfg.train.seed)
     curriculum = (Curriculum(start=cur.start, end=cur.end, ramp_steps=cur.ramp_steps, pool_factor=cur.pool_factor,
-                             ema=cur.ema, prior=cur.prior, prior_field=cur.prior_field) if cur.enabled else None)
+                             ema=cur.ema, prior=cur.prior, prior_field=cur.prior_field, bar=cur.bar,
+                             rise_from=cur.rise_from, rise_to=cur.rise_to, running_ema=cur.running_ema)
+                  if cur.enabled else None)
     dynamic = None
     if r.dynamic_sampling:
         dynamic = DynamicSampling(cfg.rewards[0].name if r.dynamic_sampling_on == "pass" else None,
@@ -257,7 +259,8 @@ def _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, env
     run = RunDir(cfg, comm)
     probe = ReferenceProbe(cfg.guard) if worker.reference is not None and cfg.guard.ref_check_every else None
     step = Step(settings=step_settings(cfg), collector=collector, worker=worker,
-                transforms=build_transforms(cfg, tokenizer=tokenizer, curriculum=curriculum),
+                transforms=build_transforms(cfg, tokenizer=tokenizer, curriculum=curriculum,
+                                            diagnose=collector.diagnose),
                 kl_ctl=build_kl_controller(cfg), guard=Guard(cfg.guard.max_consecutive_bad), comm=comm, run=run,
                 ref_probe=probe, seed=cfg.train.seed)
     monitor = build_health(cfg) if health and comm.is_main else None

@@ -59,8 +59,9 @@ class Collector:
         return self.engine.generate([self.encoder.encode(row["prompt"]) for row in rows], self.params,
                                     self.gen if streams is None else streams)
 
-    def score(self, batch: Batch) -> Batch:
-        """Fill the batch's rewards: weighted totals (NaN = could not be scored) and each function's."""
+    def reward_inputs(self, batch: Batch) -> tuple[list[str], list[str], dict[str, list]]:
+        """(prompts, completions, columns) as the rewards see them: every dataset column of the rows
+        plus completion_length, finish_reason, group_id and max_new_tokens."""
         keys = sorted({k for row in batch.rows for k in row if k != "prompt"})
         columns = {k: [row.get(k) for row in batch.rows] for k in keys}
         columns.update(completion_length=batch.lengths.tolist(), finish_reason=list(batch.finish_reason),
@@ -70,6 +71,17 @@ class Collector:
                                                    batch.episodes, columns)
         else:
             prompts, completions = [self.encoder.text(row["prompt"]) for row in batch.rows], batch.completions
+        return prompts, completions, columns
+
+    def diagnose(self, batch: Batch, rows: list[int]) -> list[str | None]:
+        """Why each of `rows` fails the first reward, in words (grpokit.rewards.registry), or None."""
+        prompts, completions, columns = self.reward_inputs(batch)
+        return self.rewards.diagnose([prompts[i] for i in rows], [completions[i] for i in rows],
+                                     {k: [v[i] for i in rows] for k, v in columns.items()})
+
+    def score(self, batch: Batch) -> Batch:
+        """Fill the batch's rewards: weighted totals (NaN = could not be scored) and each function's."""
+        prompts, completions, columns = self.reward_inputs(batch)
         out = self.rewards.score(prompts, completions, columns)
         batch.rewards = rewards_tensor(out.total)
         batch.scores = {k: list(v) for k, v in out.per_fn.items()}

@@ -55,13 +55,18 @@ def swapped_in(model, device: torch.device, enabled: bool = True):
             torch.cuda.empty_cache()
 
 
+AUTO_CACHE_SIZE = 4096       # `ref_cache: auto`: entries held
+AUTO_TRIAL_CALLS = 10        # reference passes before `auto` judges the cache
+AUTO_MIN_HIT_RATE = 0.05     # hit rate under which `auto` lets the cache go
+
+
 class RefLogprobCache:
     """LRU cache of reference log-prob vectors keyed by (prompt ids, completion ids)."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.store: OrderedDict[Hashable, torch.Tensor] = OrderedDict()
-        self.hits = self.lookups = 0          # cumulative
+        self.hits = self.lookups = self.calls = 0          # cumulative
         self.last_hits = self.last_lookups = 0
 
     @staticmethod
@@ -92,6 +97,7 @@ class RefLogprobCache:
             self.store[k] = fresh[r]
         while len(self.store) > self.capacity:
             self.store.popitem(last=False)
+        self.calls += 1
         self.last_lookups, self.last_hits = len(keys), len(keys) - len(todo)
         self.lookups += self.last_lookups
         self.hits += self.last_hits
@@ -112,7 +118,7 @@ class Reference:
     """pi_ref. `logprobs(batch, plan)` gives its per-token log-probs of a batch's completions."""
 
     def __init__(self, module, *, adapters_off: bool = False, device: torch.device | str | None = None,
-                 swap: bool = False, dropout: float = 0.0, cache_size: int = 0,
+                 swap: bool = False, dropout: float = 0.0, cache_size: int | str = 0,
                  temperature: float = 1.0, chunk_tokens: int = 1024):
         if adapters_off and not hasattr(module, "disable_adapter"):
             raise ValueError("an adapters-off reference needs a PEFT model")
@@ -123,7 +129,10 @@ class Reference:
         self.dropout = dropout
         self.temperature, self.chunk_tokens = temperature, chunk_tokens
         # cached vectors would freeze one draw of the dropout mask: no cache with dropout
-        self.cache = RefLogprobCache(cache_size) if cache_size and dropout == 0 else None
+        self.cache_auto = cache_size == "auto"
+        size = AUTO_CACHE_SIZE if self.cache_auto else int(cache_size)
+        self.cache = RefLogprobCache(size) if size and dropout == 0 else None
+        self.cache_released = False
 
     @classmethod
     def frozen(cls, model, *, placement: str = "same", **kw) -> "Reference":
@@ -174,10 +183,25 @@ class Reference:
         out = torch.zeros(shape, dtype=next(iter(per_row.values())).dtype if per_row else torch.float32)
         for r, v in per_row.items():
             out[r, :len(v)] = v
+        self._judge_auto_cache()
         return out
 
+    def _judge_auto_cache(self) -> None:
+        """`ref_cache: auto`: after its trial, a cache that rarely hits is let go (said once)."""
+        c = self.cache
+        if not self.cache_auto or c is None or c.calls < AUTO_TRIAL_CALLS:
+            return
+        rate = c.hits / max(c.lookups, 1)
+        if rate < AUTO_MIN_HIT_RATE:
+            log.info("reference log-prob cache let go: %.1f%% of %d samples repeated in its first %d passes "
+                     "(algorithm.kl.ref_cache: auto; a number keeps it)", 100 * rate, c.lookups, c.calls)
+            self.cache, self.cache_released = None, True
+        self.cache_auto = False                                  # judged once
+
     def metrics(self) -> dict[str, float]:
-        return self.cache.metrics() if self.cache is not None else {}
+        if self.cache is None:
+            return {"ref/cache_entries": 0.0} if self.cache_released else {}
+        return self.cache.metrics()
 
 
 class ReferenceProbe:

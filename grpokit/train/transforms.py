@@ -10,7 +10,7 @@ is applied per generation round; the others see the collected batch.
 | dynamic_sampling     | DAPO dynamic sampling (Yu et al. 2025, Eq. 11) | drop groups whose rewards are all equal |
 | overlong_mask        | DAPO overlong filtering             | loss_mask 0 on truncated completions        |
 | proxy_filter         | Dr. GRPO proxy-based filtering      | dropped rows: reward NaN, loss_mask 0        |
-| curriculum           | curriculum sampling                 | records each prompt's pass rate              |
+| curriculum           | curriculum sampling                 | records pass rates; lifts the bar            |
 | wrong_answer_rewrite | wrong-answer rewriting              | adds the rewriting term's sequences          |
 """
 
@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
 from grpokit.data.curriculum import Curriculum
-from grpokit.data.filters import ProxyRules, proxy_filter, zero_variance_groups
+from grpokit.data.filters import ProxyRules, ProxyScore, proxy_filter, proxy_scores, zero_variance_groups
 from grpokit.data.rewrite import rewrite_sequences
 from grpokit.train.batch import Batch, select
 
@@ -79,18 +79,26 @@ class OverlongMask:
 
 
 class ProxyFilter:
-    """Samples that cheap proxies mark as noise leave the loss and the group statistics."""
+    """Samples that cheap proxies mark as noise leave the loss and the group statistics: any single
+    proxy of `rules`, or, with `score`, the combined proxy score at its threshold."""
 
     name = "proxy_filter"
 
-    def __init__(self, rules: ProxyRules):
-        self.rules = rules
+    def __init__(self, rules: ProxyRules, score: ProxyScore | None = None, max_new_tokens: int = 0):
+        self.rules, self.score, self.max_new_tokens = rules, score, max_new_tokens
 
     def __call__(self, batch: Batch, ctx: StepContext) -> Batch:
-        dropped = proxy_filter(self.rules, completions=batch.completions, lengths=batch.lengths.tolist(),
-                               finish_reason=batch.finish_reason, rewards=batch.rewards.tolist(),
-                               group_ids=batch.group_id.tolist(), per_fn=batch.scores)
+        kw = dict(completions=batch.completions, lengths=batch.lengths.tolist(), finish_reason=batch.finish_reason,
+                  rewards=batch.rewards.tolist(), group_ids=batch.group_id.tolist(), per_fn=batch.scores)
+        dropped = proxy_filter(self.rules, **kw)
         rows = [i for i, why in enumerate(dropped) if why is not None]
+        if self.score is not None:
+            scores = proxy_scores(self.score, max_new_tokens=self.max_new_tokens, **kw)
+            by_score = [i for i, p in enumerate(scores) if p["score"] >= self.score.threshold and dropped[i] is None]
+            rows = sorted(rows + by_score)
+            ctx.metrics["filter/dropped_score"] = float(len(by_score))
+            ctx.metrics["filter/score_mean"] = sum(p["score"] for p in scores) / max(len(scores), 1)
+            ctx.metrics["filter/uninformative"] = float(sum(p["uninformative"] >= 0.5 for p in scores))
         if rows:
             batch.rewards[rows] = float("nan")
             batch.loss_mask[rows] = 0
@@ -110,40 +118,64 @@ class CurriculumUpdate:
         ok = passed(batch, self.reward_name, self.threshold)
         for rows in batch.group_rows():
             self.curriculum.observe(int(batch.prompt_index[rows[0]]), sum(ok[i] for i in rows) / len(rows))
+        if len(ok):
+            self.curriculum.observe_step(sum(ok) / len(ok))
+        ctx.metrics.update(self.curriculum.metrics(ctx.step + 1))   # the bar the next step draws under
         return batch
 
 
 class WrongAnswerRewrite:
-    """Wrong completions with a known answer become teaching sequences (grpokit.data.rewrite)."""
+    """Wrong completions become teaching sequences that say why they are wrong (grpokit.data.rewrite).
+    `diagnose(batch, rows)`: the first reward's diagnosis of those rows (None each: no diagnosis)."""
 
     name = "wrong_answer_rewrite"
 
-    def __init__(self, tokenizer, reward_name: str, threshold: float, *, template: str, limit: int):
+    def __init__(self, tokenizer, reward_name: str, threshold: float, *, template: str, answer_template: str,
+                 limit: int, diagnose: Callable[[Batch, list[int]], list[str | None]] | None = None):
         self.tokenizer, self.reward_name, self.threshold = tokenizer, reward_name, threshold
-        self.template, self.limit = template, limit
+        self.template, self.answer_template, self.limit, self.diagnose = template, answer_template, limit, diagnose
 
     def __call__(self, batch: Batch, ctx: StepContext) -> Batch:
         ok = passed(batch, self.reward_name, self.threshold)
-        completions = [c[m.bool()].tolist() for c, m in zip(batch.completion_ids, batch.mask)]
-        batch.rewrites = rewrite_sequences(self.tokenizer, batch.prompt_ids, completions,
-                                           [row.get("answer") for row in batch.rows], [not p for p in ok],
-                                           template=self.template, limit=self.limit)
+        answers = [row.get("answer") for row in batch.rows]
+        scores = batch.scores[self.reward_name]
+        # known wrong: scored (finite) and under the threshold; a sample the reward could not score is not
+        wrong = [i for i, p in enumerate(ok) if not p and scores[i] is not None and math.isfinite(scores[i])]
+        rows = wrong[: self.limit * 2]          # room for rows that get no note
+        why = self.diagnose(batch, rows) if self.diagnose is not None and rows else [None] * len(rows)
+        completions = [batch.completion_ids[i][batch.mask[i].bool()].tolist() for i in rows]
+        batch.rewrites = rewrite_sequences(self.tokenizer, [batch.prompt_ids[i] for i in rows], completions,
+                                           [answers[i] for i in rows], [True] * len(rows), template=self.template,
+                                           answer_template=self.answer_template, why=why, limit=self.limit)
+        ctx.metrics["rewrite/sequences"] = float(len(batch.rewrites[0]))
+        ctx.metrics["rewrite/diagnosed"] = float(sum(w is not None for w in why))
         return batch
 
 
-def build_transforms(cfg, *, tokenizer: Any, curriculum: Curriculum | None) -> list[Transform]:
+def build_transforms(cfg, *, tokenizer: Any, curriculum: Curriculum | None,
+                     diagnose: Callable[[Batch, list[int]], list[str | None]] | None = None) -> list[Transform]:
     """The run's transforms after collection, in order (dynamic sampling is `DynamicSampling`,
-    applied by the driver per generation round when `rollout.dynamic_sampling`)."""
+    applied by the driver per generation round when `rollout.dynamic_sampling`). `diagnose`: why
+    rows of a batch fail the first reward (`Collector.diagnose`), for wrong-answer rewriting."""
     a = cfg.algorithm
     first, thr = cfg.rewards[0].name, a.pass_threshold
     out: list[Transform] = []
     if a.mask_truncated:
         out.append(OverlongMask())
-    out.append(ProxyFilter(ProxyRules(**a.sample_filter.model_dump())))
+    f = a.sample_filter
+    score = (ProxyScore(threshold=f.score_threshold, weights=dict(f.weights), max_length=f.max_length,
+                        format_reward=f.format_reward, min_work_words=f.min_work_words)
+             if f.score_threshold is not None else None)
+    out.append(ProxyFilter(ProxyRules(max_length=f.max_length, drop_truncated=f.drop_truncated,
+                                      drop_duplicates=f.drop_duplicates, format_reward=f.format_reward,
+                                      drop_nonfinite=f.drop_nonfinite),
+                           score, cfg.rollout.max_new_tokens))
     if curriculum is not None:
         out.append(CurriculumUpdate(curriculum, first, thr))
     if a.rewrite.enabled:
-        out.append(WrongAnswerRewrite(tokenizer, first, thr, template=a.rewrite.template, limit=a.rewrite.max_per_step))
+        out.append(WrongAnswerRewrite(tokenizer, first, thr, template=a.rewrite.template,
+                                      answer_template=a.rewrite.answer_template, limit=a.rewrite.max_per_step,
+                                      diagnose=diagnose))
     return out
 
 

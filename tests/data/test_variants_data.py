@@ -5,8 +5,6 @@ import math
 
 from grpokit.data.curriculum import Curriculum
 from grpokit.data.filters import ProxyRules, proxy_filter, zero_variance_groups
-from grpokit.data.rewrite import rewrite_sequences
-from grpokit.tasks.tiny import build_char_tokenizer
 
 
 def test_zero_variance_groups_follow_dapo_eq_11():
@@ -33,7 +31,7 @@ def test_proxy_filter_names_the_first_proxy_that_drops():
 
 
 def test_curriculum_serves_easy_prompts_first_and_raises_the_threshold():
-    cur = Curriculum(start=0.3, end=1.0, ramp_steps=10, prior=0.5)
+    cur = Curriculum(start=0.3, end=1.0, ramp_steps=10, prior=0.5, bar="steps")
     rows = [{"difficulty": d} for d in (0.9, 0.1, 0.5, 0.2)] + [{}]
     cands = [0, 1, 2, 3, 4]
     assert cur.choose(cands, rows, 3, step=0) == [1, 3, 2]          # easiest first
@@ -45,20 +43,6 @@ def test_curriculum_serves_easy_prompts_first_and_raises_the_threshold():
     assert cur.estimate(0, rows[0]) == 0.5
     assert cur.choose(cands, rows, 2, step=0) == [1, 3]
     state = cur.state_dict()
-    other = Curriculum()
+    other = Curriculum(bar="steps")
     other.load_state_dict(state)
     assert other.difficulty == cur.difficulty
-
-
-def test_rewrite_builds_the_note_after_the_wrong_completion():
-    tok = build_char_tokenizer()
-    p = [tok("12+35=")["input_ids"]] * 3
-    comps = [tok("57", add_special_tokens=False)["input_ids"] + [tok.eos_token_id],
-             tok("47", add_special_tokens=False)["input_ids"] + [tok.eos_token_id],
-             tok("11", add_special_tokens=False)["input_ids"]]
-    ctx, tgt = rewrite_sequences(tok, p, comps, ["47", "47", None], [True, False, True],
-                                 template=" wrong; answer {answer}")
-    assert len(ctx) == 1                                             # right answers and unknown answers skipped
-    assert tok.decode(ctx[0]) == "12+35=57"                          # EOS of the wrong completion removed
-    assert tgt[0][-1] == tok.eos_token_id
-    assert tok.decode(tgt[0], skip_special_tokens=True) == " wrong; answer 47"

@@ -177,6 +177,40 @@ def test_trainer_reference_cache_matches_uncached_logprobs(setup):
     assert 0.0 <= m["ref/cache_hit_rate"] <= 1.0 and m["ref/cache_entries"] > 0
 
 
+def test_auto_cache_is_on_by_default_and_let_go_when_nothing_repeats(setup):
+    """`ref_cache: auto` (the default): kept while samples repeat, released after its trial passes
+    when they do not; the log-probs equal the uncached ones either way."""
+    from grpokit.train.batch import select
+    from grpokit.train.reference import AUTO_TRIAL_CALLS
+
+    tr = _trainer(setup, "cache_auto")
+    assert tr.reference.cache is not None and tr.reference.cache_auto
+    batch = _batch(tr)
+    plain = tr.worker.logprobs(batch, "reference", dropout=False)
+    for _ in range(AUTO_TRIAL_CALLS):                       # the same samples again and again: hits
+        torch.testing.assert_close(tr.worker.logprobs(batch, "reference"), plain, atol=1e-6, rtol=0)
+    assert tr.reference.cache is not None and tr.reference.metrics()["ref/cache_hit_rate"] == 1.0
+    # a fresh trainer sees only new samples: each call a row it has not seen (its own prompt/completion)
+    tr = _trainer(setup, "cache_auto_miss")
+    batch = _batch(tr)
+    distinct = {}
+    for r in range(len(batch)):
+        distinct.setdefault(tuple(batch.completion_ids[r].tolist()) + tuple(batch.prompt_ids[r]), r)
+    rows = sorted(distinct.values())
+    assert len(rows) >= AUTO_TRIAL_CALLS, "the sampled batch repeats itself too much for this test"
+    for r in rows[:AUTO_TRIAL_CALLS]:
+        one = select(batch, [r])
+        torch.testing.assert_close(tr.worker.logprobs(one, "reference"),
+                                   tr.worker.logprobs(one, "reference", dropout=False), atol=1e-6, rtol=0)
+    assert tr.reference.cache is None and tr.reference.metrics() == {"ref/cache_entries": 0.0}
+    # a number is kept whatever its hit rate
+    tr = _trainer(setup, "cache_fixed", **{"algorithm.kl.ref_cache": 64})
+    batch = _batch(tr)
+    for r in range(AUTO_TRIAL_CALLS):
+        tr.worker.logprobs(select(batch, [r]), "reference")
+    assert tr.reference.cache is not None
+
+
 def test_reference_copy_on_cpu(setup):
     tr = _trainer(setup, "refcpu", **{"lora.enabled": False, "algorithm.kl.ref_device": "cpu", "optim.lr": 1e-3})
     assert tr.reference.module is not tr.model and next(tr.reference.module.parameters()).device.type == "cpu"
