@@ -145,7 +145,8 @@ class RewriteConfig(_Section):
     answer_template: str = " The answer is {answer}."
     """Appended to the note when the row has a reference answer and `template` does not use it."""
     max_per_step: int = Field(16, ge=1)
-    """Rewritten sequences per step at most."""
+    """Rewritten sequences per step at most (with several processes, each rank writes up to its
+    share, rounded up)."""
 
 
 class AlgorithmConfig(_Section):

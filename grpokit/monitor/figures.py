@@ -290,8 +290,13 @@ def alarm_bands(
         if kl.kl_high is not None:
             add(Band("kl/ref_seq" if kl.unit == "sequence" else "kl/ref", "kl_climbing", "kl_climbing.kl_high",
                      f"kl_high {kl.kl_high:.3g}: alarm after {kl.high_steps} steps above", kl.kl_high, "above"))
-        add(Band("kl/ref", "kl_climbing", "kl_climbing.min_kl",
-                 f"min_kl {kl.min_kl:.3g}: a rise below it is ignored", kl.min_kl, None))
+        if kl.kl_high is None:
+            add(Band("kl/ref", "kl_climbing", "kl_climbing.min_kl",
+                     f"min_kl {kl.min_kl:.3g}: a rise below it is ignored", kl.min_kl, None))
+        else:                      # with a band the trend test reads the band's unit, its floor half the bound
+            floor = kl.band_floor * kl.kl_high
+            add(Band("kl/ref_seq" if kl.unit == "sequence" else "kl/ref", "kl_climbing", "kl_climbing.band_floor",
+                     f"{kl.band_floor:g} x kl_high = {floor:.3g}: a rise below it is ignored", floor, None))
     le = health.length_explosion
     if on.get("length_explosion") and "completion/length_mean" in columns:
         raw = columns["completion/length_mean"][0]

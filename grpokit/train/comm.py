@@ -149,7 +149,8 @@ class LocalComm(Comm):
         return metrics
 
 
-SUMMED = ("loss/", "throughput/", "reward/nonfinite", "rollout/resampled", "filter/dropped")
+SUMMED = ("loss/", "throughput/", "reward/nonfinite", "rollout/resampled", "filter/dropped", "filter/uninformative",
+          "rewrite/")
 """Metrics that are each rank's share of a job-wide total: the losses (each rank's loss is
 normalised by the global token or sequence count, so the shares add up to the global loss),
 throughput, and counts of events."""

@@ -111,9 +111,14 @@ class DataParallelWorker(LocalWorker):
     def forward(self, mb: MicroBatch, *, want_entropy: bool = False):
         return self.wrapped(mb, want_entropy)
 
+    joins_every_pass = True
+
     def plan(self, batch, rows: list[int]) -> list[MicroBatch]:
         """The local plan, padded with empty micro-batches to the longest plan of any rank."""
-        mbs = super().plan(batch, rows) if rows else []
+        return self.pad_plan(super().plan(batch, rows) if rows else [])
+
+    def pad_plan(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
+        """`mbs` padded with empty micro-batches to the longest list of any rank."""
         n = int(self.ctx.all_max(float(len(mbs))))
         return mbs + [_empty_micro_batch(self.pad_id) for _ in range(n - len(mbs))]
 

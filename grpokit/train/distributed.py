@@ -58,11 +58,6 @@ def check_config(cfg, world: int) -> None:
     if P % world:
         raise ConfigError(f"rollout.batch_size / rollout.group_size = {P} prompts per step is not divisible by "
                           f"the world size {world}: every rank takes whole groups, the same number each")
-    if cfg.data.curriculum.enabled:
-        raise ConfigError("data.curriculum is not supported with train.distributed (each rank would rank "
-                          "prompts from its own statistics and the ranks' data order would diverge)")
-    if cfg.algorithm.rewrite.enabled:
-        raise ConfigError("algorithm.rewrite is not supported with train.distributed yet")
     if cfg.rollout.engine in ("server", "vllm"):
         raise ConfigError(f"rollout.engine={cfg.rollout.engine} is not supported with train.distributed yet "
                           "(each rank generates with its own copy: use rollout.engine=hf)")

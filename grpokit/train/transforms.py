@@ -107,19 +107,27 @@ class ProxyFilter:
 
 
 class CurriculumUpdate:
-    """Record each prompt's pass rate in its group, for the curriculum's next choices."""
+    """Record each prompt's pass rate in its group, for the curriculum's next choices. With several
+    ranks (`comm`), every rank observes every rank's groups, in rank order, so that all of them hold
+    the same statistics and draw the same global prompt list."""
 
     name = "curriculum"
 
-    def __init__(self, curriculum: Curriculum, reward_name: str, threshold: float):
-        self.curriculum, self.reward_name, self.threshold = curriculum, reward_name, threshold
+    def __init__(self, curriculum: Curriculum, reward_name: str, threshold: float, comm=None):
+        self.curriculum, self.reward_name, self.threshold, self.comm = curriculum, reward_name, threshold, comm
 
     def __call__(self, batch: Batch, ctx: StepContext) -> Batch:
         ok = passed(batch, self.reward_name, self.threshold)
-        for rows in batch.group_rows():
-            self.curriculum.observe(int(batch.prompt_index[rows[0]]), sum(ok[i] for i in rows) / len(rows))
-        if len(ok):
-            self.curriculum.observe_step(sum(ok) / len(ok))
+        groups = [(int(batch.prompt_index[rows[0]]), sum(ok[i] for i in rows) / len(rows))
+                  for rows in batch.group_rows()]
+        local = (groups, sum(ok), len(ok))
+        every = self.comm.gather(local) if self.comm is not None and self.comm.world > 1 else [local]
+        for rank_groups, _, _ in every:
+            for idx, rate in rank_groups:
+                self.curriculum.observe(idx, rate)
+        n_pass, n = sum(e[1] for e in every), sum(e[2] for e in every)
+        if n:
+            self.curriculum.observe_step(n_pass / n)
         ctx.metrics.update(self.curriculum.metrics(ctx.step + 1))   # the bar the next step draws under
         return batch
 
@@ -153,10 +161,12 @@ class WrongAnswerRewrite:
 
 
 def build_transforms(cfg, *, tokenizer: Any, curriculum: Curriculum | None,
-                     diagnose: Callable[[Batch, list[int]], list[str | None]] | None = None) -> list[Transform]:
+                     diagnose: Callable[[Batch, list[int]], list[str | None]] | None = None,
+                     comm=None) -> list[Transform]:
     """The run's transforms after collection, in order (dynamic sampling is `DynamicSampling`,
     applied by the driver per generation round when `rollout.dynamic_sampling`). `diagnose`: why
-    rows of a batch fail the first reward (`Collector.diagnose`), for wrong-answer rewriting."""
+    rows of a batch fail the first reward (`Collector.diagnose`), for wrong-answer rewriting.
+    `comm`: the job's collectives (the curriculum's statistics are shared over ranks)."""
     a = cfg.algorithm
     first, thr = cfg.rewards[0].name, a.pass_threshold
     out: list[Transform] = []
@@ -171,11 +181,12 @@ def build_transforms(cfg, *, tokenizer: Any, curriculum: Curriculum | None,
                                       drop_nonfinite=f.drop_nonfinite),
                            score, cfg.rollout.max_new_tokens))
     if curriculum is not None:
-        out.append(CurriculumUpdate(curriculum, first, thr))
+        out.append(CurriculumUpdate(curriculum, first, thr, comm))
     if a.rewrite.enabled:
+        world = comm.world if comm is not None else 1     # the step's limit, shared over the ranks
         out.append(WrongAnswerRewrite(tokenizer, first, thr, template=a.rewrite.template,
-                                      answer_template=a.rewrite.answer_template, limit=a.rewrite.max_per_step,
-                                      diagnose=diagnose))
+                                      answer_template=a.rewrite.answer_template,
+                                      limit=max(1, -(-a.rewrite.max_per_step // world)), diagnose=diagnose))
     return out
 
 

@@ -287,24 +287,42 @@ class LocalWorker:
 
     def _rewrite_step(self, rewrites) -> float:
         """Wrong-answer rewriting's auxiliary term (grpokit.data.rewrite), added to the first
-        optimizer step of the update: weight * token-mean NLL of the notes."""
+        optimizer step of the update: weight * token-mean NLL of the notes, under the policy as the
+        surrogate sees it (the sampling temperature). Through `forward`, `counts` and `accumulate`, so
+        a data-parallel job normalises by the notes' tokens over all ranks and every rank runs the
+        same passes (a rank without notes runs empty ones)."""
         contexts, targets = rewrites
-        if not contexts:
+        n_tok = self.counts(sum(len(t) for t in targets), 0)[0]
+        if n_tok == 0:
             return 0.0
-        L = max(len(t) for t in targets)
-        ids = torch.full((len(targets), L), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(targets), L), dtype=torch.long)
-        for i, t in enumerate(targets):
-            ids[i, :len(t)], mask[i, :len(t)] = torch.tensor(t), 1
-        n_tok, total = int(mask.sum()), 0.0
-        for chunk in plan_micro_batches([len(c) + len(t) for c, t in zip(contexts, targets)], self.cfg.optim.micro_batch_size):
-            mb = build_micro_batch(chunk, contexts, ids, mask, self.pad_id)
-            logp, _ = completion_logprobs(self.model, mb, chunk_tokens=self.cfg.optim.logprob_chunk)
-            loss = -self.cfg.algorithm.rewrite.weight * torch.where(mb.mask.to(logp.device).bool(), logp, 0.0).sum() / n_tok
-            if torch.isfinite(loss):
-                loss.backward()
-                total += float(loss.detach())
-        return total
+        mbs = []
+        if contexts:
+            L = max(len(t) for t in targets)
+            ids = torch.full((len(targets), L), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(targets), L), dtype=torch.long)
+            for i, t in enumerate(targets):
+                ids[i, :len(t)], mask[i, :len(t)] = torch.tensor(t), 1
+            mbs = [build_micro_batch(chunk, contexts, ids, mask, self.pad_id)
+                   for chunk in plan_micro_batches([len(c) + len(t) for c, t in zip(contexts, targets)],
+                                                   self.cfg.optim.micro_batch_size)]
+        weight = self.cfg.algorithm.rewrite.weight
+
+        def one(mb: MicroBatch) -> float:
+            logp, _ = self.forward(mb)
+            loss = -weight * torch.where(mb.mask.to(logp.device).bool(), logp, 0.0).sum() / n_tok
+            if not torch.isfinite(loss) and not self.joins_every_pass:
+                return 0.0               # one process: skip it (the policy update stands)
+            self.backward(loss)          # several: every rank must; a NaN gradient makes the guard skip the update
+            return float(loss.detach())
+
+        return float(sum(self.accumulate(self.pad_plan(mbs), one)))
+
+    joins_every_pass = False
+    """True for a worker whose passes are collective (data parallel): each rank runs every pass."""
+
+    def pad_plan(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
+        """The micro-batches every rank runs (one process: these)."""
+        return mbs
 
     def _advance_schedule(self) -> None:
         """A skipped update still advances the learning-rate schedule (it counts training steps),

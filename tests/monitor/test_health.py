@@ -135,6 +135,26 @@ def test_kl_climbing_level_test_needs_consecutive_steps_above_kl_high():
     assert H.kl_climbing(series("kl/ref", [0.05] * 20 + [0.12] * 5), KLClimbingConfig()) is None
 
 
+def test_kl_climbing_with_a_band_reads_its_unit_and_ignores_a_rise_into_its_lower_half():
+    """A short answer learning: per-token KL 0.2 -> 0.6 (three-fold, steady), per-completion KL
+    1 -> 2 nats, inside the [1, 10] band: no alarm with the band, the old per-token alarm without.
+    A per-completion rise past half the bound (2 -> 6) fires."""
+    n = 30
+    token = [0.2 + 0.4 * t / (n - 1) for t in range(n)]
+    seq_low = [1.0 + 1.0 * t / (n - 1) for t in range(n)]
+    seq_high = [2.0 + 4.0 * t / (n - 1) for t in range(n)]
+    rows = lambda seq: [{"step": t + 1, "kl/ref": token[t], "kl/ref_seq": seq[t]} for t in range(n)]  # noqa: E731
+    band = KLClimbingConfig(kl_high=10.0, unit="sequence")
+    assert H.kl_climbing(rows(seq_low), band) is None
+    assert H.kl_climbing(rows(seq_low), KLClimbingConfig()) is not None                 # no band: per token
+    alarm = H.kl_climbing(rows(seq_high), band)
+    assert alarm is not None and "kl/ref_seq" in alarm.message and "past 0.5 of the target bound 10" in alarm.message
+    assert alarm.value == pytest.approx(6.0)
+    # a token-unit band reads kl/ref with the floor at half its bound
+    assert H.kl_climbing(rows(seq_low), KLClimbingConfig(kl_high=2.0, unit="token")) is None   # 0.6 < 1.0
+    assert H.kl_climbing(rows(seq_low), KLClimbingConfig(kl_high=1.0, unit="token")) is not None
+
+
 # ---------------------------------------------------------------------------------------------
 # length_explosion
 

@@ -425,7 +425,9 @@ def test_alarm_bands_come_from_the_run_config(tmp_path):
     assert th.origin == "config.yaml"
     kl = {b.field: b for b in bands["kl/ref"]}
     assert kl["kl_climbing.kl_high"].value == 0.2 and kl["kl_climbing.kl_high"].side == "above"
-    assert kl["kl_climbing.min_kl"].value == 0.07 and kl["kl_climbing.min_kl"].side is None
+    # with a band the trend test's floor is half its bound, in its unit (min_kl is for runs without one)
+    assert "kl_climbing.min_kl" not in kl
+    assert kl["kl_climbing.band_floor"].value == pytest.approx(0.1) and kl["kl_climbing.band_floor"].side is None
     assert [(b.value, b.side) for b in bands["advantage/std"]] == [(0.01, "below")]
     assert [b.value for b in bands["group/frac_zero_std"]] == [0.8]
     assert "policy/entropy" not in bands  # the rule is off: nothing to draw
@@ -474,7 +476,8 @@ def test_kl_high_and_ref_tolerance_filled_in_as_the_trainer_does():
     cols = {k: (np.zeros(3), np.ones(3, bool)) for k in ("kl/ref", "kl/ref_seq")}
     bands = alarm_bands(th.health, np.arange(3.0), cols)
     assert [b.value for b in bands["kl/ref_seq"] if b.field == "kl_climbing.kl_high"] == [15.0]
-    assert not [b for b in bands["kl/ref"] if b.field == "kl_climbing.kl_high"]   # not on the per-token plot
+    assert not [b for b in bands.get("kl/ref", []) if b.field == "kl_climbing.kl_high"]   # not on the per-token plot
+    assert [b.value for b in bands["kl/ref_seq"] if b.field == "kl_climbing.band_floor"] == [7.5]   # the trend floor
     dumped["algorithm"]["kl"].update(target_unit="token", target_low=0.01, target_high=0.15)
     th = health_thresholds(dumped)
     bands = alarm_bands(th.health, np.arange(3.0), cols)

@@ -221,11 +221,27 @@ def train_filtered(out: Path, *argv) -> None:
     (out / f"rank{os.environ['RANK']}.exit").write_text(str(code))
 
 
+def train_parity(out: Path, *argv) -> None:
+    """`grpokit train ARGV` with the reward `digit_parity` (1 when a completion holds an even number of
+    digits): about half of a random model's completions pass, on every rank alike."""
+    import os
+
+    from grpokit.cli import main
+    from grpokit.rewards import register
+
+    @register("digit_parity")
+    def digit_parity(prompts, completions, **columns):
+        return [float(sum(ch.isdigit() for ch in c) % 2 == 0) for c in completions]
+
+    code = main(list(argv))
+    (out / f"rank{os.environ['RANK']}.exit").write_text(str(code))
+
+
 if __name__ == "__main__":
     what, out = sys.argv[1], Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
     programs = {"equivalence": equivalence, "conformance": conformance, "mismatch": mismatch,
-                "train_filtered": train_filtered, "lora": lora, "comm": comm}
+                "train_filtered": train_filtered, "train_parity": train_parity, "lora": lora, "comm": comm}
     code = 0
     try:
         programs[what](out, *sys.argv[3:])

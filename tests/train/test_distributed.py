@@ -4,7 +4,8 @@ Every multi-process run is marked `slow` and `distributed` (in `make test`; `mak
 alone, about 3 minutes on 2 cores): 2 processes on a global batch give the loss and
 gradient of one process on it (DDP and FSDP2, token- and sequence-level aggregation); the DDP and
 FSDP2 workers pass the reusable worker checks; ranks with different configs are refused; a rank
-whose groups are all filtered does not hang the job; resume at 2 and at 1 process; a rank killed
+whose groups are all filtered does not hang the job; the curriculum is shared over ranks; rewriting at 2 processes matches 1; resume at 2
+and at 1 process; a rank killed
 with SIGKILL; LoRA under FSDP2; 2 processes teach the demo task (after the demo's one-minute warm
 start). The unit checks of the collective helpers' arithmetic, and `grpokit export`, need no
 process group.
@@ -195,7 +196,54 @@ def test_a_rank_whose_groups_are_all_filtered_does_not_hang(tmp_path, inputs):
         assert r["dynamic/kept_groups"] == 4 and r["dynamic/rounds"] == 2
 
 
-_NOT_REPRODUCED = ("time/", "throughput/", "memory/")
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_curriculum_is_shared_over_ranks(tmp_path, inputs):
+    """data.curriculum at 2 processes: every rank observes every rank's groups, so both hold the same
+    statistics and draw the same global prompt list, the one one process draws: per step, the same
+    bar, running pass rate and rewards as the 1-process run (each group samples from its own seeded
+    stream at any world size)."""
+    _, model_dir, train, _ = inputs
+    rows = {}
+    for world in (2, 1):
+        run_dir, out = tmp_path / f"run{world}", tmp_path / f"out{world}"
+        argv = ["train", *small_overrides(model_dir, train, run_dir, **{
+            "rewards": "[{name: digit_parity}]", "train.steps": 4, "data.curriculum.enabled": "true",
+            "data.curriculum.start": 0.2, "data.curriculum.rise_from": 0.3, "data.curriculum.rise_to": 0.6,
+            "data.curriculum.running_ema": 0.5, "train.dist_timeout_s": 60, "train.check_rewards": "false",
+            "train.batch_advice": "false", "train.distributed": "ddp"})]
+        torchrun.run(world, torchrun.program("train_parity", out, *argv), timeout=150)
+        assert [(out / f"rank{r}.exit").read_text() for r in range(world)] == ["0"] * world
+        rows[world] = _rows(run_dir)
+    assert [r["step"] for r in rows[2]] == [1, 2, 3, 4]
+    for a, b in zip(rows[2], rows[1]):
+        for k in ("curriculum/bar", "curriculum/pass_rate", "reward/mean"):
+            assert a[k] == pytest.approx(b[k], rel=1e-9), (a["step"], k)
+    assert rows[2][-1]["curriculum/bar"] > 0.2          # the pass rate lifted it
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_rewriting_at_two_processes_matches_one(tmp_path, inputs, mode):
+    """Wrong-answer rewriting at 2 processes: the notes' NLL is normalised by their tokens over both
+    ranks and both ranks' note gradients reach the update, so step 2 (trained on step 1's update,
+    rewriting term included) matches the 1-process run."""
+    rows = {}
+    for world in (2, 1):
+        run_dir = tmp_path / f"{mode}{world}"
+        torchrun.run(world, _train_args(inputs, run_dir, **{
+            "train.steps": 2, "algorithm.rewrite.enabled": "true", "algorithm.rewrite.weight": 0.5,
+            "algorithm.rewrite.max_per_step": 64, "train.distributed": mode}), timeout=150)
+        rows[world] = _rows(run_dir)
+    assert [r["step"] for r in rows[2]] == [1, 2]
+    for a, b in zip(rows[2], rows[1]):
+        assert a["loss/rewrite"] > 0 and a["rewrite/sequences"] == b["rewrite/sequences"]
+        for k in ("loss/rewrite", "loss/total", "reward/mean", "optim/grad_norm"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (a["step"], k)
+
+
+_NOT_REPRODUCED = ("time/", "throughput/", "memory/", "ref/cache")   # the cache is the process's, not the run's
 
 
 def _same_metrics(a: dict, b: dict, rel: float = 1e-6, abs_: float = 1e-9) -> None:

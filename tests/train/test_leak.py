@@ -60,7 +60,9 @@ def trainer(tmp_path_factory):
     # fixed-length completions (EOS ignored), so every step holds tensors of the same shapes
     cfg = load_config(None, small_overrides(model_dir, train, root / "run", **{
         "train.steps": 10, "rollout.ignore_eos": True, "rollout.max_new_tokens": 6,
-        "algorithm.kl.beta": 0.05, "rewards": "[{name: test_varied}]", "optim.micro_batch_size": 4}))
+        "algorithm.kl.beta": 0.05, "rewards": "[{name: test_varied}]", "optim.micro_batch_size": 4,
+        # the reference log-prob cache holds tensors by design (bounded, LRU: tests/train/test_lora.py)
+        "algorithm.kl.ref_cache": 0}))
     torch.manual_seed(0)
     return build_trainer(cfg, health=True)
 

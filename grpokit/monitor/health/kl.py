@@ -20,7 +20,12 @@ class KLClimbingConfig(AlarmConfig):
     rise_factor: float = Field(1.5, gt=1.0)
     """The median of the window's last quarter must be at least this multiple of its first."""
     min_kl: float = Field(0.05, ge=0.0)
-    """KL (nats per token) below which a rising trend is ignored (early growth from zero)."""
+    """KL (nats per token) below which a rising trend is ignored (early growth from zero). Used
+    when no target band is known (`kl_high` None); with one, `band_floor` takes its place."""
+    band_floor: float = Field(0.5, ge=0.0, le=1.0)
+    """With a target band (`kl_high` set): the trend test reads KL in the band's unit and ignores a
+    rise that stays below this fraction of `kl_high`: KL rising into the lower half of the band is
+    the controller letting the policy learn, not beta failing to hold it."""
     kl_high: float | None = Field(None, gt=0.0)
     """Upper bound of the KL controller's target range; None disables the level test. The trainer
     copies it from its KL controller config."""
@@ -43,11 +48,16 @@ class RefDriftConfig(AlarmConfig):
 def kl_climbing(history: History, p: KLClimbingConfig) -> Alarm | None:
     """KL to the reference climbing steadily, or held above the controller's target range.
 
-    Let x be the last ``window`` (W) finite values of ``kl/ref`` and q = W // 4.
+    Let x be the last ``window`` (W) finite values of the KL and q = W // 4: ``kl/ref`` (per
+    token) without a target band; with one (``kl_high`` set), the band's unit (``kl/ref_seq``, per
+    completion, for ``unit: sequence``), so that both tests read what the controller controls.
     Trend test (needs W values): fire when
         tau(x) ≥ min_tau   and   median(x[-q:]) ≥ rise_factor · median(x[:q])
-        and   median(x[-q:]) ≥ min_kl,
-    with tau Kendall's tau-a of x against time (1 = strictly increasing).
+        and   median(x[-q:]) ≥ floor,
+    with tau Kendall's tau-a of x against time (1 = strictly increasing) and floor = ``min_kl``
+    without a band, ``band_floor`` · kl_high with one (a rise into the band's lower half is the
+    controller letting KL in: a short answer learning a new fact moves its per-token KL several
+    fold while its per-completion KL stays low in the band).
     Level test (only when ``kl_high`` is set): fire when the last ``high_steps`` finite values are
     all > kl_high.  Value: the latest KL.
     """
@@ -66,17 +76,21 @@ def kl_climbing(history: History, p: KLClimbingConfig) -> Alarm | None:
                 f"for the last {p.high_steps} steps (now {high[-1]:.3g}).",
                 advice, high[-1],
             )
-    x = _tail(history, "kl/ref", p.window)
+    key, floor = "kl/ref", p.min_kl
+    if p.kl_high is not None:
+        key, floor = ("kl/ref_seq" if p.unit == "sequence" else "kl/ref"), p.band_floor * p.kl_high
+    x = _tail(history, key, p.window)
     if len(x) < p.window:
         return None
     q = max(1, p.window // 4)
     first, last = statistics.median(x[:q]), statistics.median(x[-q:])
     tau = kendall_tau(x)
-    if tau >= p.min_tau and last >= p.rise_factor * first and last >= p.min_kl:
+    if tau >= p.min_tau and last >= p.rise_factor * first and last >= floor:
+        where = f", past {p.band_floor:g} of the target bound {p.kl_high:.3g}" if p.kl_high is not None else ""
         return Alarm(
             "kl_climbing", _step(history), p.action,
-            f"KL to the reference (kl/ref) rose steadily from {first:.3g} to {last:.3g} over the "
-            f"last {p.window} steps (Kendall tau {tau:.2f}).",
+            f"KL to the reference ({key}) rose steadily from {first:.3g} to {last:.3g} over the "
+            f"last {p.window} steps (Kendall tau {tau:.2f}){where}.",
             advice, x[-1],
         )
     return None
