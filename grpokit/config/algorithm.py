@@ -189,6 +189,17 @@ class AlgorithmConfig(_Section):
     completion token, aggregated like the surrogate by `loss_agg`) is added to the loss, logged as
     `loss/entropy_bonus`. Off by default; the entropy-collapse alarm's remedy (docs/metrics.md):
     0.001-0.01 holds entropy up, larger values trade reward for randomness."""
+    entropy_target: float | None = Field(None, gt=0)
+    """Adaptive entropy control (Skywork-OR1's, He et al. 2025, arXiv 2505.22312 §3.2.3; the
+    entropy-collapse alarm's remedy kept on): a target for `policy/entropy` in nats per token. After
+    each step the coefficient c moves by `entropy_coef_step`, up while the entropy is below the
+    target and down otherwise, within [0, `entropy_coef_max`], starting from `entropy_coef`; the
+    bonus acts (coefficient c) only on steps whose previous entropy was at or below the target.
+    Logged as `policy/entropy_coef`. None = the coefficient stays `entropy_coef`."""
+    entropy_coef_step: float = Field(0.0005, gt=0)
+    """Adaptive entropy control: the coefficient's change per step."""
+    entropy_coef_max: float = Field(0.01, gt=0)
+    """Adaptive entropy control: the coefficient's ceiling."""
     pass_threshold: float = 1.0
     """A completion passes (for pass@1, curriculum and rewriting) when the first reward is >= this."""
 

@@ -262,7 +262,7 @@ def _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, env
                 transforms=build_transforms(cfg, tokenizer=tokenizer, curriculum=curriculum,
                                             diagnose=collector.diagnose, comm=comm),
                 kl_ctl=build_kl_controller(cfg), guard=Guard(cfg.guard.max_consecutive_bad), comm=comm, run=run,
-                ref_probe=probe, seed=cfg.train.seed)
+                ref_probe=probe, seed=cfg.train.seed, entropy_ctl=_entropy_control(cfg))
     monitor = build_health(cfg) if health and comm.is_main else None
     on_exit = ([_report_at_exit] if report and comm.is_main else []) + ([lambda _: comm.close()] if close else [])
     from grpokit.train.evaluate import build_checker
@@ -272,6 +272,17 @@ def _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, env
                    rewards=rewards, encoder=encoder, eval_dataset=eval_ds, checker=checker, health=monitor,
                    on_exit=on_exit,
                    fresh_notes=_fresh_start_notes(cfg, rewards, dataset, encoder))
+
+
+def _entropy_control(cfg):
+    """Adaptive entropy control (`algorithm.entropy_target`), or None."""
+    a = cfg.algorithm
+    if a.entropy_target is None:
+        return None
+    from grpokit.algo.entropy import EntropyControl
+
+    return EntropyControl(target=a.entropy_target, step=a.entropy_coef_step, max_coef=a.entropy_coef_max,
+                          coef=a.entropy_coef)
 
 
 # ---------------------------------------------------------------------- evaluation

@@ -81,6 +81,7 @@ class Trainer:
             **s.guard.state_dict(),
             "ref_probe": s.ref_probe.state_dict() if s.ref_probe is not None else None,
             "health": self.health.state_dict() if self.health is not None else None,
+            "entropy_ctl": s.entropy_ctl.state_dict() if s.entropy_ctl is not None else None,
         }
 
     def load_state_dict(self, st: dict) -> None:
@@ -93,6 +94,9 @@ class Trainer:
         np.random.set_state(st["np_rng"])
         random.setstate(st["py_rng"])
         s.guard.load_state_dict(st)
+        if s.entropy_ctl is not None and st.get("entropy_ctl") is not None:
+            s.entropy_ctl.load_state_dict(st["entropy_ctl"])
+            self.worker.entropy_coef = s.entropy_ctl.active
         if s.ref_probe is not None:
             s.ref_probe.load_state_dict(st.get("ref_probe"))
         if self.health is not None and st.get("health") is not None:

@@ -76,10 +76,11 @@ class Step:
     -> metrics, for step `step_idx` (0-based)."""
 
     def __init__(self, *, settings: StepSettings, collector, worker, transforms, kl_ctl, guard, comm, run,
-                 ref_probe=None, seed: int = 0):
+                 ref_probe=None, seed: int = 0, entropy_ctl=None):
         self.s, self.collector, self.worker, self.transforms = settings, collector, worker, transforms
         self.kl_ctl, self.guard, self.comm, self.run, self.ref_probe = kl_ctl, guard, comm, run, ref_probe
         self.seed = seed
+        self.entropy_ctl = entropy_ctl                # grpokit.algo.entropy.EntropyControl, or None
         self.last_batch: Batch | None = None          # the last step's batch (sample dumps)
 
     engine = property(lambda self: self.collector.engine)
@@ -133,6 +134,9 @@ class Step:
         sync_weights(self.engine, self.worker, step_idx + 1)           # 7 (after a rollback, too)
         if kl_in_reward is not None:                 # no KL term in the loss: kl/ref is the reward's k1
             upd.update(kl_in_reward)
+        if self.entropy_ctl is not None:              # the next update's bonus (grpokit.algo.entropy)
+            self.worker.entropy_coef = self.entropy_ctl.update(upd.get("policy/entropy", float("nan")))
+            upd["policy/entropy_coef"] = self.worker.entropy_coef
         observed = upd.get("kl/ref_seq" if s.kl_unit == "sequence" else "kl/ref", 0.0)
         self.kl_ctl.step(observed if math.isfinite(observed) else 0.0)
         if getattr(self.kl_ctl, "handed_over", False):

@@ -96,6 +96,7 @@ class LocalWorker:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(o.warmup_steps, o.schedule, total))
         self._seen = _NOTHING_SEEN      # what the guard needs to name the cause of a bad gradient
         self._causes: list[str] = []
+        self.entropy_coef = float(cfg.algorithm.entropy_coef)   # the bonus's coefficient now (adaptive control moves it)
 
     # ------------------------------------------------------------------ log-probs
     def plan(self, batch: Batch, rows: list[int]) -> list[MicroBatch]:
@@ -163,7 +164,7 @@ class LocalWorker:
                 n_tok, n_seq = self.counts(int(batch.loss_mask[mini].sum()), len(mini))
                 # rows that can move the gradient: non-zero advantage, or any row when KL (or an
                 # entropy bonus) is in the loss
-                every = kl_in_loss or bool(a.entropy_coef)
+                every = kl_in_loss or bool(self.entropy_coef)
                 live = [i for i in mini if (every or float(batch.advantages[i]) != 0.0)
                         and bool(batch.loss_mask[i].any())]
                 self.optimizer.zero_grad(set_to_none=True)
@@ -219,7 +220,8 @@ class LocalWorker:
                     n_tok: int, n_seq: int) -> tuple[dict, int]:
         a = self.cfg.algorithm
         rows, dev = mb.rows, self.device
-        logp, ent = self.forward(mb, want_entropy="grad" if a.entropy_coef else True)
+        coef = self.entropy_coef
+        logp, ent = self.forward(mb, want_entropy="grad" if coef else True)
         L = logp.shape[1]
         mask = batch.loss_mask[rows, :L].to(dev).to(logp.dtype)
         valid = logp.detach()[mask.bool()]
@@ -237,11 +239,11 @@ class LocalWorker:
             beta=beta if kl_in_loss else 0.0, kl_kind=a.kl.estimator, agg=a.loss_agg, num_tokens=n_tok,
             num_seqs=n_seq, max_len=self.cfg.rollout.max_new_tokens, eps_low=a.eps_low, eps_high=a.eps_high,
             dual_clip=a.dual_clip, ratio_level=a.ratio_level, is_weights=cut(batch.is_weights))
-        if a.entropy_coef:                      # an entropy bonus, aggregated like the surrogate
+        if coef:                                # an entropy bonus, aggregated like the surrogate
             ent_term = loss_lib.aggregate(ent, mask.bool(), a.loss_agg, num_tokens=n_tok, num_seqs=n_seq,
                                           max_len=self.cfg.rollout.max_new_tokens)
-            total = total - a.entropy_coef * ent_term
-            st["entropy_bonus"] = float(ent_term.detach()) * a.entropy_coef
+            total = total - coef * ent_term
+            st["entropy_bonus"] = float(ent_term.detach()) * coef
         ntok = int(mask.sum())
         lp_min = float(valid.min()) if valid.numel() else math.inf
         if not torch.isfinite(total.detach()):

@@ -43,11 +43,11 @@ def setup(tmp_path_factory):
     return tiny_run_inputs(tmp_path_factory.mktemp("entropy"))
 
 
-def _run(setup, name, coef):
+def _run(setup, name, coef, **extra):
     root, model_dir, train, _ = setup
     cfg = load_config(None, small_overrides(model_dir, train, root / name, **{
         "rewards": "[{name: test_constant}]", "algorithm.kl.beta": 0.0, "algorithm.kl.measure_every": 0,
-        "algorithm.entropy_coef": coef, "train.steps": 4, "optim.lr": 1e-2, "rollout.max_new_tokens": 6}))
+        "algorithm.entropy_coef": coef, "train.steps": 4, "optim.lr": 1e-2, "rollout.max_new_tokens": 6, **extra}))
     torch.manual_seed(0)
     tr = build_trainer(cfg, health=False)
     before = [p.detach().clone() for p in tr.model.parameters()]
@@ -67,3 +67,37 @@ def test_with_zero_advantages_the_bonus_alone_moves_the_policy_towards_entropy(s
     top = math.log(len(load_tokenizer(setup[1])))                  # the uniform policy's entropy
     assert top - ent[-1] < 0.5 * (top - ent[0])                        # the tiny model starts near it
     assert all(r["loss/entropy_bonus"] == pytest.approx(0.5 * r["policy/entropy"], rel=0.05) for r in rows)
+
+
+def test_entropy_control_worked_example():
+    """Skywork-OR1's rule: c moves by the step towards holding the target, within [0, max], and
+    acts only after a step whose entropy was at or below the target."""
+    from grpokit.algo.entropy import EntropyControl
+
+    ctl = EntropyControl(target=0.5, step=0.001, max_coef=0.0025)
+    assert ctl.active == 0.0
+    got = [ctl.update(e) for e in (0.9, 0.4, 0.3, 0.45, 0.2, 0.6, 0.1, float("nan"), 0.7)]
+    # c: 0 (floor) -> .001 -> .002 -> .0025 (cap) -> .0025 -> .0015 -> .0025 -> (nan: kept) -> .0015
+    assert got == pytest.approx([0.0, 0.001, 0.002, 0.0025, 0.0025, 0.0, 0.0025, 0.0025, 0.0])
+    assert ctl.coef == pytest.approx(0.0015)              # held, but inactive above the target
+    other = EntropyControl(target=0.5, step=0.001, max_coef=0.0025)
+    other.load_state_dict(ctl.state_dict())
+    assert (other.coef, other.active) == (ctl.coef, ctl.active)
+
+
+def test_the_trainer_raises_the_bonus_while_entropy_is_below_target(setup):
+    """Entropy far below a high target: the coefficient grows by the step each step and the bonus
+    appears from the second update; above a low target: no bonus ever, the policy unmoved (zero
+    advantages)."""
+    varied = {"rewards": "[{name: test_varied}]"}       # entropy is measured on rows that train
+    rows, _ = _run(setup, "ctl_low", 0.0, **varied, **{"algorithm.entropy_target": 100.0,
+                                                       "algorithm.entropy_coef_step": 0.1, "algorithm.entropy_coef_max": 1.0})
+    assert [r["policy/entropy_coef"] for r in rows] == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    assert "loss/entropy_bonus" not in rows[0]
+    for prev, r in zip(rows, rows[1:]):          # update k+1 used the coefficient set after update k
+        assert r["loss/entropy_bonus"] == pytest.approx(prev["policy/entropy_coef"] * r["policy/entropy"], rel=0.05)
+    rows, _ = _run(setup, "ctl_high", 0.0, **varied, **{"algorithm.entropy_target": 1e-3})
+    assert all(r["policy/entropy_coef"] == 0.0 and "loss/entropy_bonus" not in r for r in rows)
+    # zero advantages, no bonus yet: nothing trains, no entropy is measured, the coefficient waits
+    rows, moved = _run(setup, "ctl_idle", 0.0, **{"algorithm.entropy_target": 100.0})
+    assert all(r["policy/entropy_coef"] == 0.0 for r in rows) and not moved

@@ -109,7 +109,8 @@ def entropy_collapse(history: History, p: EntropyCollapseConfig) -> Alarm | None
         "entropy_collapse", _step(history), p.action, msg,
         "The policy has stopped exploring: raise the group size G first (rollout.group_size: more "
         "samples per prompt), then the upper clip bound (DAPO clip-higher, algorithm.eps_high); or "
-        "lower the learning rate, or add a small entropy bonus (algorithm.entropy_coef, e.g. 0.001). "
+        "lower the learning rate, or add a small entropy bonus (algorithm.entropy_coef, e.g. 0.001, or "
+        "algorithm.entropy_target to hold the entropy at a floor). "
         "Do not raise the sampling temperature blindly: for more exploration raise G, not the temperature (the loss's "
         "log-probs use the same temperature, so a hotter sampler also changes what is trained).",
         current,
