@@ -148,6 +148,22 @@ class RewriteConfig(_Section):
     """Rewritten sequences per step at most (with several processes, each rank writes up to its
     share, rounded up)."""
 
+    @field_validator("template", "answer_template")
+    @classmethod
+    def _placeholders(cls, v: str, info):
+        import string
+
+        try:
+            names = {f for _, f, _, _ in string.Formatter().parse(v) if f is not None}
+        except ValueError as e:
+            raise ValueError(f"algorithm.rewrite.{info.field_name}: {e} (write a literal brace as {{{{ or }}}})") from None
+        allowed = {"why", "answer"} if info.field_name == "template" else {"answer"}
+        bad = sorted(names - allowed)
+        if bad:
+            raise ValueError(f"algorithm.rewrite.{info.field_name}: unknown placeholder {{{bad[0]}}} "
+                             f"(it may use {', '.join('{' + a + '}' for a in sorted(allowed))})")
+        return v
+
 
 class AlgorithmConfig(_Section):
     advantage: AdvantageName = "grpo"
@@ -205,6 +221,9 @@ class AlgorithmConfig(_Section):
 
     @model_validator(mode="after")
     def _combinations(self):
+        if self.entropy_target is not None and self.entropy_coef > self.entropy_coef_max:
+            raise check_failed(f"algorithm.entropy_coef {self.entropy_coef:g} is above entropy_coef_max "
+                               f"{self.entropy_coef_max:g} (adaptive entropy control starts from entropy_coef)")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise check_failed("algorithm.dual_clip must be > 1")
         if self.length_buckets is not None and self.bucket_mode == "quantiles":

@@ -58,8 +58,11 @@ class CurriculumConfig(_Section):
 
     @model_validator(mode="after")
     def _rise(self):
-        if self.rise_from >= self.rise_to:
+        if self.bar == "pass_rate" and self.rise_from >= self.rise_to:
             raise check_failed(f"data.curriculum.rise_from ({self.rise_from:g}) must be below rise_to ({self.rise_to:g})")
+        if self.bar == "pass_rate" and "ramp_steps" in self.model_fields_set:
+            raise check_failed("data.curriculum.ramp_steps is the step ramp's (bar: steps); the bar is lifted by the "
+                               "running pass rate by default: set data.curriculum.bar: steps to keep the ramp")
         if self.start > self.end:
             raise check_failed(f"data.curriculum.start ({self.start:g}) is above end ({self.end:g})")
         return self

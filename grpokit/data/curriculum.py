@@ -47,7 +47,7 @@ class Curriculum:
     def __post_init__(self):
         if self.bar not in ("pass_rate", "steps"):
             raise ValueError(f"curriculum bar must be pass_rate or steps, got {self.bar!r}")
-        if not self.rise_from < self.rise_to:
+        if self.bar == "pass_rate" and not self.rise_from < self.rise_to:
             raise ValueError(f"curriculum rise_from {self.rise_from:g} must be below rise_to {self.rise_to:g}")
         if self.level is None:
             self.level = self.start

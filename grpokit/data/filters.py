@@ -77,6 +77,7 @@ DEFAULT_WEIGHTS = {"truncated": 0.5, "length": 0.5, "format": 0.5, "duplicate": 
 
 _WORD = re.compile(r"[A-Za-z]+|\d+(?:\.\d+)?|[^\sA-Za-z\d]")
 _TAG = re.compile(r"</?[A-Za-z_][A-Za-z0-9_-]*>")
+_EMPTY_PAIR = re.compile(r"<([A-Za-z_][A-Za-z0-9_-]*)>\s*</\1>")
 _BOX = re.compile(r"\\(?:boxed|fbox)\{")
 
 
@@ -89,8 +90,8 @@ def repetition(text: str) -> float:
     """How much of `text` repeats itself, in [0, 1]: 1 - distinct n-grams / n-grams over its words
     and numbers (punctuation aside), with n = 1 for up to 7 words, 2 up to 15, 3 up to 31, else 4
     (a short text repeating one number, "46 46 46 46", is as repetitive as a long one looping over
-    a sentence). Below 4 words: 0."""
-    w = [x for x in words(text) if x[0].isalnum()]
+    a sentence; markup tags are not words). Below 4 words: 0."""
+    w = [x for x in words(_TAG.sub(" ", text)) if x[0].isalnum()]
     if len(w) < 4:
         return 0.0
     n = 1 if len(w) < 8 else 2 if len(w) < 16 else 3 if len(w) < 32 else 4
@@ -127,9 +128,10 @@ def work_words(text: str) -> int:
 
 
 def format_only(text: str) -> bool:
-    """Tags around no content but the answer: "<think></think><answer>5</answer>". (A bare boxed
-    answer is an answer without work, counted by `min_work_words`.)"""
-    return bool(_TAG.search(text)) and work_words(text) == 0
+    """An empty tag pair and no other content than the answer: "<think></think><answer>5</answer>"
+    (the rules' "a 'must contain thinking tags' rule teaches empty tags"). A tagged or boxed answer
+    alone, "<answer>5</answer>", is an answer without work, counted by `min_work_words`."""
+    return bool(_EMPTY_PAIR.search(text)) and work_words(text) == 0
 
 
 def degeneracy(text: str, min_work_words: int = 0) -> float:
@@ -146,13 +148,15 @@ class ProxyScore:
     """The combined proxy score: drop a sample when sum_k weights[k] * proxy_k >= threshold, with
     proxy_k in [0, 1]:
       truncated      1 when cut at max_new_tokens
-      length         0 up to half the length limit (`max_length`, else max_new_tokens), rising to 1 at it
+      length         0 up to half the length limit (`max_length`, else max_new_tokens), rising to 1
+                     at it; 0 for a truncated completion (its length is the cut, counted once above)
       format         1 when `format_reward` scores <= 0
       duplicate      1 for a repeat of an earlier completion in its group
       uninformative  `degeneracy` of a completion whose reward is above its group's mean, else 0
     With the default weights one strong sign drops a sample (a rewarded completion that is format
-    only, or that repeats itself: repetition >= 2/3), two weaker ones together do (truncated and
-    long; a failed format check and a duplicate), one weak one does not."""
+    only, or that repeats itself: repetition >= 2/3), two weaker ones together do (truncated, or at
+    the length limit, with a failed format check), one weak one does not (truncated alone, a
+    duplicate alone)."""
     threshold: float = 1.0
     weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
     max_length: int | None = None
@@ -180,7 +184,7 @@ def proxy_scores(rule: ProxyScore, *, completions: list[str], lengths: list[int]
         key, group = text.strip(), seen.setdefault(group_ids[i], set())
         fmt = per_fn[rule.format_reward][i] if rule.format_reward is not None else 1.0
         p = {"truncated": float(finish_reason[i] == "length"),
-             "length": min(1.0, max(0.0, 2.0 * lengths[i] / max(limit, 1) - 1.0)),
+             "length": 0.0 if finish_reason[i] == "length" else min(1.0, max(0.0, 2.0 * lengths[i] / max(limit, 1) - 1.0)),
              "format": float(fmt is None or fmt <= 0),
              "duplicate": float(key in group),
              "uninformative": degeneracy(text, rule.min_work_words) if rewarded else 0.0}

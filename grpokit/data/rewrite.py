@@ -40,14 +40,14 @@ def note_text(template: str, answer_template: str, *, why: str | None, answer) -
 def rewrite_sequences(tokenizer, prompt_ids: list[list[int]], completion_ids: list[list[int]],
                       answers: list, wrong: list[bool], *, template: str = DEFAULT_TEMPLATE,
                       answer_template: str = DEFAULT_ANSWER_TEMPLATE, why: list[str | None] | None = None,
-                      limit: int = 16) -> tuple[list[list[int]], list[list[int]]]:
+                      limit: int = 16, used: list[int] | None = None) -> tuple[list[list[int]], list[list[int]]]:
     """Return (contexts, targets): context = prompt + wrong completion (EOS removed), target = note
     tokens + EOS, for up to `limit` wrong samples that have a note (`note_text`). `why`: each
-    sample's diagnosis (None: the generic text)."""
+    sample's diagnosis (None: the generic text); `used`, when given, receives the indices rewritten."""
     contexts, targets = [], []
     eos = tokenizer.eos_token_id
     why = why if why is not None else [None] * len(wrong)
-    for p, c, ans, bad, w in zip(prompt_ids, completion_ids, answers, wrong, why):
+    for k, (p, c, ans, bad, w) in enumerate(zip(prompt_ids, completion_ids, answers, wrong, why)):
         if not bad or len(contexts) >= limit:
             continue
         text = note_text(template, answer_template, why=w, answer=ans)
@@ -57,4 +57,6 @@ def rewrite_sequences(tokenizer, prompt_ids: list[list[int]], completion_ids: li
         note = tokenizer(text, add_special_tokens=False)["input_ids"]
         contexts.append(list(p) + body)
         targets.append(note + [eos])
+        if used is not None:
+            used.append(k)
     return contexts, targets

@@ -260,7 +260,8 @@ def _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, env
     probe = ReferenceProbe(cfg.guard) if worker.reference is not None and cfg.guard.ref_check_every else None
     step = Step(settings=step_settings(cfg), collector=collector, worker=worker,
                 transforms=build_transforms(cfg, tokenizer=tokenizer, curriculum=curriculum,
-                                            diagnose=collector.diagnose, comm=comm),
+                                            diagnose=collector.diagnose, comm=comm,
+                                            sampled=collector.take_scored),
                 kl_ctl=build_kl_controller(cfg), guard=Guard(cfg.guard.max_consecutive_bad), comm=comm, run=run,
                 ref_probe=probe, seed=cfg.train.seed, entropy_ctl=_entropy_control(cfg))
     monitor = build_health(cfg) if health and comm.is_main else None

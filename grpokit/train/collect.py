@@ -48,6 +48,8 @@ class Collector:
         self.overlap = (OneStepOffPolicy(engine, lambda: self.draw_prompts(self.P, self.step_idx),
                                          self.encode_prompts, params, gen) if async_ else None)
         self.step_idx = 0                            # the step being collected (async draws read it)
+        self.scored: list[Batch] = []                # every round's scored batch this step, before dynamic
+                                                     # sampling drops groups (the curriculum reads them all)
 
     def encode_prompts(self, idx: list[int]) -> list[list[int]]:
         return [self.encoder.encode(self.dataset[i]["prompt"]) for i in idx]
@@ -110,6 +112,7 @@ class Collector:
         self.step_idx = step
         kept: list[Batch] = []
         n_kept, t_roll, t_rew = 0, 0.0, 0.0
+        self.scored = []
         self.engine_memory("resume_memory")          # a colocated engine gets its memory back
         for r in range(self.rounds):
             t = time.perf_counter()
@@ -128,6 +131,8 @@ class Collector:
             fresh = self.score(batch_lib.from_rollout(rb, idx, rows, G, step=step,
                                                       first_group=comm.first_group(r, P)))
             t_rew += time.perf_counter() - t
+            if self.curriculum is not None:
+                self.scored.append(fresh)
             if self.dynamic is None:
                 kept = [fresh]
                 break
@@ -151,6 +156,11 @@ class Collector:
         if batch.episodes is not None:
             metrics.update(episode_metrics(batch.episodes, int(batch.action_mask.sum()), int(batch.mask.sum())))
         return batch, metrics
+
+    def take_scored(self) -> list[Batch]:
+        """This step's scored batches, every sampled group (and no more held here)."""
+        out, self.scored = self.scored, []
+        return out
 
     def staleness(self, rb: RolloutBatch, step: int) -> dict[str, float]:
         """`rollout/staleness`: optimizer steps between the weights that sampled `rb` and the ones

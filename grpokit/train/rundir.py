@@ -204,7 +204,7 @@ class _NoSink:
         pass
 
 
-def rollback(run: RunDir, worker, kl_ctl, guard, cause: str, step: int) -> None:
+def rollback(run: RunDir, worker, kl_ctl, guard, cause: str, step: int, entropy_ctl=None) -> None:
     """Reload the last healthy checkpoint's weights and optimizer into the worker and its KL
     controller state; lower the learning rate by `guard.rollback_lr_factor`. The data position and
     RNG move on, so the same batch is not replayed. Raises when there is nothing to roll back to
@@ -218,6 +218,9 @@ def rollback(run: RunDir, worker, kl_ctl, guard, cause: str, step: int) -> None:
     state = ckpt_lib.load_state(ck)
     worker.load_optimizer_state(state["optimizer"])
     kl_ctl.load_state_dict(state["kl_ctl"])
+    if entropy_ctl is not None and state.get("entropy_ctl") is not None:
+        entropy_ctl.load_state_dict(state["entropy_ctl"])
+        worker.entropy_coef = entropy_ctl.active
     worker.scale_lr(g.rollback_lr_factor)
     guard.rolled_back()
     log.warning("rolled back to %s after %d bad steps (%s); learning rate x%g", ck.name,

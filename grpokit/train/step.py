@@ -240,7 +240,7 @@ class Step:
         log.warning("step %d: %s by the non-finite guard: %s", step_idx + 1, what, cause)
         self.run.event({"event": "skip", "step": step_idx + 1, "cause": cause, "updates_skipped": skipped, "updates": n})
         if due:
-            rollback(self.run, self.worker, self.kl_ctl, self.guard, cause, step_idx + 1)
+            rollback(self.run, self.worker, self.kl_ctl, self.guard, cause, step_idx + 1, self.entropy_ctl)
 
     def _bad_rollout(self, cause: str, step_idx: int, t_step: float) -> dict:
         """The step whose rollout met NaN/inf logits: a bad step with no update at all. The

@@ -107,20 +107,26 @@ class ProxyFilter:
 
 
 class CurriculumUpdate:
-    """Record each prompt's pass rate in its group, for the curriculum's next choices. With several
-    ranks (`comm`), every rank observes every rank's groups, in rank order, so that all of them hold
-    the same statistics and draw the same global prompt list."""
+    """Record each prompt's pass rate in its group, for the curriculum's next choices: every group
+    the step sampled (`sampled()`: the collector's scored rounds, before dynamic sampling keeps only
+    mixed groups, which would pull the running pass rate to 1/2 whatever the policy does), else the
+    batch's. With several ranks (`comm`), every rank observes every rank's groups, in rank order, so
+    that all of them hold the same statistics and draw the same global prompt list."""
 
     name = "curriculum"
 
-    def __init__(self, curriculum: Curriculum, reward_name: str, threshold: float, comm=None):
+    def __init__(self, curriculum: Curriculum, reward_name: str, threshold: float, comm=None,
+                 sampled: Callable[[], list[Batch]] | None = None):
         self.curriculum, self.reward_name, self.threshold, self.comm = curriculum, reward_name, threshold, comm
+        self.sampled = sampled
 
     def __call__(self, batch: Batch, ctx: StepContext) -> Batch:
-        ok = passed(batch, self.reward_name, self.threshold)
-        groups = [(int(batch.prompt_index[rows[0]]), sum(ok[i] for i in rows) / len(rows))
-                  for rows in batch.group_rows()]
-        local = (groups, sum(ok), len(ok))
+        groups, n_pass, n = [], 0, 0
+        for b in (self.sampled() if self.sampled is not None else []) or [batch]:
+            ok = passed(b, self.reward_name, self.threshold)
+            groups += [(int(b.prompt_index[rows[0]]), sum(ok[i] for i in rows) / len(rows)) for rows in b.group_rows()]
+            n_pass, n = n_pass + sum(ok), n + len(ok)
+        local = (groups, n_pass, n)
         every = self.comm.gather(local) if self.comm is not None and self.comm.world > 1 else [local]
         for rank_groups, _, _ in every:
             for idx, rate in rank_groups:
@@ -152,21 +158,24 @@ class WrongAnswerRewrite:
         rows = wrong[: self.limit * 2]          # room for rows that get no note
         why = self.diagnose(batch, rows) if self.diagnose is not None and rows else [None] * len(rows)
         completions = [batch.completion_ids[i][batch.mask[i].bool()].tolist() for i in rows]
+        used: list[int] = []
         batch.rewrites = rewrite_sequences(self.tokenizer, [batch.prompt_ids[i] for i in rows], completions,
                                            [answers[i] for i in rows], [True] * len(rows), template=self.template,
-                                           answer_template=self.answer_template, why=why, limit=self.limit)
-        ctx.metrics["rewrite/sequences"] = float(len(batch.rewrites[0]))
-        ctx.metrics["rewrite/diagnosed"] = float(sum(w is not None for w in why))
+                                           answer_template=self.answer_template, why=why, limit=self.limit,
+                                           used=used)
+        ctx.metrics["rewrite/sequences"] = float(len(used))
+        ctx.metrics["rewrite/diagnosed"] = float(sum(why[k] is not None for k in used))
         return batch
 
 
 def build_transforms(cfg, *, tokenizer: Any, curriculum: Curriculum | None,
                      diagnose: Callable[[Batch, list[int]], list[str | None]] | None = None,
-                     comm=None) -> list[Transform]:
+                     comm=None, sampled: Callable[[], list[Batch]] | None = None) -> list[Transform]:
     """The run's transforms after collection, in order (dynamic sampling is `DynamicSampling`,
     applied by the driver per generation round when `rollout.dynamic_sampling`). `diagnose`: why
     rows of a batch fail the first reward (`Collector.diagnose`), for wrong-answer rewriting.
-    `comm`: the job's collectives (the curriculum's statistics are shared over ranks)."""
+    `comm`: the job's collectives (the curriculum's statistics are shared over ranks); `sampled`:
+    every group the step sampled (`Collector.take_scored`), for the curriculum."""
     a = cfg.algorithm
     first, thr = cfg.rewards[0].name, a.pass_threshold
     out: list[Transform] = []
@@ -181,7 +190,7 @@ def build_transforms(cfg, *, tokenizer: Any, curriculum: Curriculum | None,
                                       drop_nonfinite=f.drop_nonfinite),
                            score, cfg.rollout.max_new_tokens))
     if curriculum is not None:
-        out.append(CurriculumUpdate(curriculum, first, thr, comm))
+        out.append(CurriculumUpdate(curriculum, first, thr, comm, sampled))
     if a.rewrite.enabled:
         world = comm.world if comm is not None else 1     # the step's limit, shared over the ranks
         out.append(WrongAnswerRewrite(tokenizer, first, thr, template=a.rewrite.template,

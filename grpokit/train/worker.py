@@ -101,6 +101,8 @@ class LocalWorker:
     # ------------------------------------------------------------------ log-probs
     def plan(self, batch: Batch, rows: list[int]) -> list[MicroBatch]:
         """Micro-batches over `rows`, grouped by length (and prompt, for the lean forward)."""
+        if not rows:
+            return []
         totals = [len(batch.prompt_ids[i]) + int(batch.mask[i].sum()) for i in rows]
         lean = lean_forward.supports(unwrap(self.model))     # prompts run once per micro-batch
         plan = plan_micro_batches(totals, self.cfg.optim.micro_batch_size,
@@ -163,12 +165,13 @@ class LocalWorker:
                 mini = mini.tolist()
                 n_tok, n_seq = self.counts(int(batch.loss_mask[mini].sum()), len(mini))
                 # rows that can move the gradient: non-zero advantage, or any row when KL (or an
-                # entropy bonus) is in the loss
-                every = kl_in_loss or bool(self.entropy_coef)
+                # entropy bonus) is in the loss; every row under adaptive entropy control, whose
+                # entropy must be measured even when a collapsed policy's groups all agree
+                every = kl_in_loss or bool(self.entropy_coef) or a.entropy_target is not None
                 live = [i for i in mini if (every or float(batch.advantages[i]) != 0.0)
                         and bool(batch.loss_mask[i].any())]
                 self.optimizer.zero_grad(set_to_none=True)
-                mbs = self.plan(batch, live) if live else []
+                mbs = self.plan(batch, live)     # on every rank, rows or none: a data-parallel plan is collective
                 mini_loss: dict[str, float] = {}
                 try:
                     micro = self.accumulate(mbs, lambda mb: self._micro_step(mb, batch, beta, kl_in_loss, n_tok, n_seq))

@@ -43,7 +43,11 @@ def test_informative_prompts_first_under_the_bar():
         list(range(6)), rows, 6, step=0) == [0, 2, 4, 5, 1, 3]           # the classic order: easiest first
 
 
-def test_bad_settings_are_refused():
+def test_bad_settings_are_refused_and_the_old_ramp_asks_for_its_bar():
+    with pytest.raises(Exception, match="bar: steps"):
+        load_config(None, ["data.curriculum.ramp_steps=50"])
+    load_config(None, ["data.curriculum.ramp_steps=50", "data.curriculum.bar=steps",
+                       "data.curriculum.rise_from=0.9", "data.curriculum.rise_to=0.5"])   # rise_* unused by steps
     with pytest.raises(Exception, match="rise_from"):
         load_config(None, ["data.curriculum.rise_from=0.9", "data.curriculum.rise_to=0.5"])
     with pytest.raises(Exception, match="pass_rate"):
@@ -73,3 +77,20 @@ def test_the_trainer_lifts_the_bar_with_the_pass_rate(setup, reward, rises):
     want = [0.4 + 0.6 * min(1.0, max(0.0, (r - 0.5) / 0.4)) for r in rho]
     assert bars == pytest.approx(want)
     assert (bars[-1] > 0.4) == rises and all(math.isfinite(b) for b in bars)
+
+
+def test_the_curriculum_sees_every_sampled_group_not_only_the_kept_ones(setup):
+    """With dynamic sampling, groups that all pass are dropped from the batch, but the curriculum
+    still observes them (and their prompts' pass rates): both rounds' groups are recorded and the
+    running pass rate is 1, not the kept groups' mix."""
+    root, model_dir, train = setup
+    cfg = load_config(None, small_overrides(model_dir, train, root / "dyn", **{
+        "rewards": "[{name: test_always_passes}]", "data.curriculum.enabled": True,
+        "rollout.dynamic_sampling": True, "rollout.max_sampling_rounds": 2}))
+    tr = build_trainer(cfg, health=False)
+    m = tr.step()
+    cur = tr.step_fn.collector.curriculum
+    P = cfg.prompts_per_step
+    assert m["dynamic/rounds"] == 2 and m["curriculum/pass_rate"] == 1.0
+    assert len(cur.difficulty) == 2 * P and set(cur.difficulty.values()) == {0.0}
+    assert tr.step_fn.collector.scored == []                      # released once read

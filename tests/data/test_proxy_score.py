@@ -1,6 +1,8 @@
 """The combined proxy score of Dr. GRPO as practised: proxies summed with weights and a threshold,
 with the "uninformative" term (a rewarded completion that is degenerate) the single proxies lack."""
 
+import copy
+
 import pytest
 
 from grpokit.config import load_config
@@ -18,11 +20,13 @@ def test_degeneracy_measures():
     assert repetition(loop) == pytest.approx(1 - 4 / 14)
     assert repetition("1 2 1") == 0.0                                         # too short to judge
     assert format_only("<think></think><answer>5</answer>") and not format_only("<think>2+3=5</think><answer>5</answer>")
+    assert not format_only("<answer>46</answer>")             # a tagged answer alone: an answer without work
+    assert repetition("<think>20+26</think><answer>46</answer>") == 0.0   # tag names are not words
     assert not format_only("\\boxed{5}")                                     # a bare box is an answer without work
     assert work_words("\\boxed{5}") == 0 and work_words("First 2*3=6, so \\boxed{7}") == 5
     assert work_words("The answer is 46") == 3                                # the last number is the answer
     assert degeneracy("\\boxed{5}") == 0.0 and degeneracy("\\boxed{5}", min_work_words=3) == 1.0
-    assert degeneracy("<answer>5</answer>") == 1.0
+    assert degeneracy("<think> </think><answer>5</answer>") == 1.0 and degeneracy("<answer>5</answer>") == 0.0
 
 
 def test_the_score_is_the_weighted_sum_and_only_rewarded_samples_are_uninformative():
@@ -38,9 +42,15 @@ def test_the_score_is_the_weighted_sum_and_only_rewarded_samples_are_uninformati
     assert out[2]["uninformative"] == 0.0                        # degenerate but below the mean: kept, it teaches
     assert out[2]["duplicate"] == 1.0 and out[2]["score"] == pytest.approx(w["duplicate"])
     assert out[4]["length"] == pytest.approx(2 * 8 / 10 - 1)    # 0 at half the limit, 1 at it
-    assert out[5]["score"] == pytest.approx(w["truncated"] + w["length"] + w["duplicate"])
+    assert out[5]["length"] == 0.0                               # truncated: its length is the cut, counted once
+    assert out[5]["score"] == pytest.approx(w["truncated"] + w["duplicate"])
     dropped = [i for i, p in enumerate(out) if p["score"] >= 1.0]
-    assert dropped == [0, 5]                                     # one strong sign; two weak ones together
+    assert dropped == [0]                                        # one strong sign; weak ones alone do not
+    # truncated and a failed format check: two weak signs drop it
+    out = proxy_scores(ProxyScore(format_reward="fmt"), completions=["a", "b"], lengths=[4, 4],
+                       finish_reason=["length", "length"], rewards=[0.0, 0.0], group_ids=[0, 0], max_new_tokens=4,
+                       per_fn={"fmt": [1.0, 0.0]})
+    assert [p["score"] >= 1.0 for p in out] == [False, True]
     # a format reward: failing it is one weak sign
     out = proxy_scores(ProxyScore(format_reward="fmt", weights={"format": 1.0}), completions=["a", "b"],
                        lengths=[1, 1], finish_reason=["eos", "eos"], rewards=[1.0, 0.0], group_ids=[0, 0],
@@ -73,6 +83,7 @@ def test_the_trainer_drops_rewarded_repeats(tmp_path):
             batch.finish_reason[i] = "eos"
             batch.lengths[i] = 1
     (filt,) = [t for t in tr.step_fn.transforms if t.name == "proxy_filter"]
+    untouched = copy.deepcopy(batch)
     ctx = StepContext(step=0)
     out = filt(batch, ctx)
     dropped = [i for i in range(len(batch)) if not out.loss_mask[i].any()]
@@ -83,5 +94,5 @@ def test_the_trainer_drops_rewarded_repeats(tmp_path):
     off = load_config(None, small_overrides(model_dir, train, tmp_path / "run2"))
     (plain,) = [t for t in build_transforms(off, tokenizer=tr.tokenizer, curriculum=None) if t.name == "proxy_filter"]
     ctx = StepContext(step=0)
-    plain(batch, ctx)
-    assert ctx.metrics["filter/dropped"] == len(dropped)     # the batch already had them masked; no new ones
+    kept = plain(untouched, ctx)
+    assert ctx.metrics["filter/dropped"] == 0 and bool(kept.loss_mask.any(dim=1).all())

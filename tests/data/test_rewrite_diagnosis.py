@@ -28,6 +28,7 @@ def test_math_diagnosis_names_the_value_given_and_the_expected_one():
     ]
     assert math_accuracy_alt.diagnose(["q"], ["= 45"], answer=["46"]) == ["its final answer is 45, not 46"]
     assert math_accuracy.diagnose(["q"], ["45"], answer=[None]) == [None]          # no reference: no diagnosis
+    assert math_accuracy.diagnose(["q"], ["46"], answer=["46"]) == [None]          # judged wrong otherwise (a time-out)
     # plain equivalence (strict_numbers off) does not call an expression wrong for being one
     assert math_accuracy.diagnose(["q"], ["\\boxed{2 + 3}"], answer=["6"], strict_numbers=False) == [
         "its final answer is 2 + 3, not 6"]
@@ -118,3 +119,11 @@ def test_the_trainers_rewrite_states_the_value_given(setup):
         assert "not " + str(answer) in note or "the expected answer is " + str(answer) in note
         # the tiny model's tokenizer knows arithmetic characters only: compare token ids
         assert t == tr.tokenizer(note, add_special_tokens=False)["input_ids"] + [tr.tokenizer.eos_token_id]
+
+
+def test_templates_are_checked_at_load():
+    with pytest.raises(Exception, match=r"unknown placeholder \{reason\}.*\{answer\}, \{why\}"):
+        load_config(None, ["algorithm.rewrite.template=no: {reason}"])
+    with pytest.raises(Exception, match=r"answer_template: unknown placeholder \{why\}"):
+        load_config(None, ["algorithm.rewrite.answer_template= it is {why}"])
+    load_config(None, ["algorithm.rewrite.template=no: {why} ({answer})"])

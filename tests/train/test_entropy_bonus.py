@@ -98,6 +98,9 @@ def test_the_trainer_raises_the_bonus_while_entropy_is_below_target(setup):
         assert r["loss/entropy_bonus"] == pytest.approx(prev["policy/entropy_coef"] * r["policy/entropy"], rel=0.05)
     rows, _ = _run(setup, "ctl_high", 0.0, **varied, **{"algorithm.entropy_target": 1e-3})
     assert all(r["policy/entropy_coef"] == 0.0 and "loss/entropy_bonus" not in r for r in rows)
-    # zero advantages, no bonus yet: nothing trains, no entropy is measured, the coefficient waits
+    # zero advantages (a collapsed policy's groups all agree): the entropy is still measured, the
+    # coefficient rises and the bonus moves the policy
     rows, moved = _run(setup, "ctl_idle", 0.0, **{"algorithm.entropy_target": 100.0})
-    assert all(r["policy/entropy_coef"] == 0.0 for r in rows) and not moved
+    assert [r["policy/entropy_coef"] for r in rows] == pytest.approx([0.0005 * k for k in (1, 2, 3, 4)]) and moved
+    with pytest.raises(Exception, match="above entropy_coef_max"):
+        load_config(None, ["algorithm.entropy_target=0.3", "algorithm.entropy_coef=0.5"])
