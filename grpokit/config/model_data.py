@@ -60,7 +60,9 @@ class CurriculumConfig(_Section):
     def _rise(self):
         if self.bar == "pass_rate" and self.rise_from >= self.rise_to:
             raise check_failed(f"data.curriculum.rise_from ({self.rise_from:g}) must be below rise_to ({self.rise_to:g})")
-        if self.bar == "pass_rate" and "ramp_steps" in self.model_fields_set:
+        # a ramp length other than the default means a config written for the old step ramp (a saved
+        # config.yaml holds every field, the default one included, and must load as it was saved)
+        if self.bar == "pass_rate" and self.ramp_steps != type(self).model_fields["ramp_steps"].default:
             raise check_failed("data.curriculum.ramp_steps is the step ramp's (bar: steps); the bar is lifted by the "
                                "running pass rate by default: set data.curriculum.bar: steps to keep the ramp")
         if self.start > self.end:

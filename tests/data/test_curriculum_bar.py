@@ -46,6 +46,9 @@ def test_informative_prompts_first_under_the_bar():
 def test_bad_settings_are_refused_and_the_old_ramp_asks_for_its_bar():
     with pytest.raises(Exception, match="bar: steps"):
         load_config(None, ["data.curriculum.ramp_steps=50"])
+    from grpokit.config import Config
+
+    Config.model_validate(Config().model_dump(mode="json"))          # a saved config.yaml (every field) loads
     load_config(None, ["data.curriculum.ramp_steps=50", "data.curriculum.bar=steps",
                        "data.curriculum.rise_from=0.9", "data.curriculum.rise_to=0.5"])   # rise_* unused by steps
     with pytest.raises(Exception, match="rise_from"):
