@@ -259,7 +259,7 @@ class LocalWorker:
         out = {"loss/policy": st["policy"], "loss/total": float(total.detach()),
                # the token-level loss signal, whatever the aggregation: Σ surrogate / mini-batch tokens
                "loss/token_mean": st["policy"] if a.loss_agg == "token_mean" else st["token_sum"] / max(n_tok, 1),
-               "policy/entropy": float(torch.where(mask.bool(), ent, 0.0).sum()) / max(ntok, 1),
+               "policy/entropy": float(torch.where(mask.bool(), ent.detach(), 0.0).sum()) / max(ntok, 1),
                "policy/logprob_min": lp_min, "rows": float(mask.any(-1).sum())}
         if "entropy_bonus" in st:
             out["loss/entropy_bonus"] = st["entropy_bonus"]
