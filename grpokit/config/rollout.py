@@ -84,6 +84,11 @@ class RolloutConfig(_Section):
     server_retries: int = Field(3, ge=1)
     """Tries of a rollout-server request that gets no answer before the run stops with an error (its
     last checkpoint intact; `--resume` with a restarted server continues)."""
+    sync_bucket_mb: float = Field(512.0, ge=0)
+    """Weights go to a rollout server in parts of about this many MiB, each announced and broadcast
+    as the trainer produces it (a sharded trainer gathers one tensor at a time), so the trainer
+    never holds more than one part beyond its own weights. 0: the whole model in one part (a
+    `--backend vllm` server takes only that). Logged per sync: `time/sync`, `sync/mb`, `sync/parts`."""
     async_: bool = Field(False, alias="async")
     """`rollout.async`: one-step-off-policy overlap. The engine generates the next batch with the
     current weights while the trainer updates on this one, so every batch after the first is one

@@ -190,7 +190,8 @@ class PromptStreams:
     (docs/distributed.md)."""
 
     def __init__(self, seeds: list[int], device: str | torch.device = "cpu"):
-        self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+        self.seeds = [int(s) for s in seeds]            # what a rollout server is sent to rebuild them
+        self.generators = [torch.Generator(device=device).manual_seed(s) for s in self.seeds]
 
     def __len__(self) -> int:
         return len(self.generators)

@@ -28,7 +28,7 @@ import torch
 
 from grpokit.errors import ConfigError
 from grpokit.rollout import wire
-from grpokit.rollout.base import NonFiniteLogits, RolloutBatch, SamplingParams
+from grpokit.rollout.base import NonFiniteLogits, PromptStreams, RolloutBatch, SamplingParams
 from grpokit.rollout.weight_sync import TRAINER, WeightGroup, connect_store
 
 log = logging.getLogger("grpokit.rollout")
@@ -149,8 +149,18 @@ class ServerEngine:
     owns_weights = True
 
     def __init__(self, address: str, tokenizer, *, device: torch.device | str = "cpu", timeout_s: float = 600.0,
-                 retries: int = 3, api_key: str | None = None):
+                 retries: int = 3, api_key: str | None = None, sends_weights: bool = True,
+                 bucket_mb: float = 512.0):
+        """`sends_weights`: this client joins the server's weight group and pushes the weights (one
+        client per server does: rank 0 of a data-parallel job); the others only wait, after each
+        update, until the server has loaded it. `bucket_mb`: weights go in parts of about this
+        size (0: one part), so the trainer never holds more than one part beyond its own tensors."""
         self.http = _Http(address, timeout_s, retries, api_key)
+        self.sends_weights, self.bucket_bytes = sends_weights, int(bucket_mb * 2**20)
+        self.last_sync: dict[str, float] = {}
+        self.barrier = None
+        """Set by a data-parallel trainer (its process group's barrier): after each update every
+        client waits there, so that no rank asks for a generation before the sender's push is loaded."""
         self.tokenizer, self.timeout_s = tokenizer, timeout_s
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         try:
@@ -169,9 +179,9 @@ class ServerEngine:
                               f"trainer's tokenizer has {len(tokenizer)}: is it the same model?")
         trainer_cuda = torch.device(device).type == "cuda"
         backend = "nccl" if trainer_cuda and str(health.get("device", "")).startswith("cuda") else "gloo"
-        self.group = self._join_group(backend)
-        log.info("rollout server %s: %s backend on %s, weight group over %s", address, health.get("backend"),
-                 health.get("device"), backend)
+        self.group = self._join_group(backend) if sends_weights else None
+        log.info("rollout server %s: %s backend on %s%s", address, health.get("backend"), health.get("device"),
+                 f", weight group over {backend}" if sends_weights else " (weights pushed by another client)")
 
     def _join_group(self, backend: str) -> WeightGroup:
         out = self.http.call("POST", "/init_weights_group", {"backend": backend, "timeout_s": self.timeout_s})
@@ -186,23 +196,64 @@ class ServerEngine:
 
     # ---------------------------------------------------------------------------- weights
     def update_weights(self, named_tensors, version: int | None = None) -> None:
-        """Announce the tensors, broadcast them, wait for the server to load them all and
-        acknowledge `version` (default: the last one + 1)."""
-        named = list(named_tensors)
+        """Push the tensors as `version` (default: the last one + 1) and wait for the server to
+        acknowledge it. They go in parts of about `bucket_mb`, each announced then broadcast, taken
+        from `named_tensors` as it yields them (a sharded trainer gathers one tensor at a time), so
+        at most one part is held here. A client that does not send weights consumes the iterator
+        (its gathers are collective) and waits for the server to reach `version`."""
         version = self.version + 1 if version is None else int(version)
-        meta = wire.describe(named)
+        t0, sent, parts = time.perf_counter(), 0, 0
         self._check_instance(self.http.call("GET", "/version"))
-        self.http.call("POST", "/update_weights", {"version": version, "tensors": meta}, tries=1)
+        if not self.sends_weights:
+            for _ in named_tensors:
+                pass
+            if self.barrier is not None:
+                self.barrier()                       # the sender's push is acknowledged by now
+            self._await_version(version)
+        else:
+            bucket: list[tuple[str, torch.Tensor]] = []
+            size = 0
+            for name, t in named_tensors:
+                if bucket and self.bucket_bytes > 0 and size + t.numel() * t.element_size() > self.bucket_bytes:
+                    self._send_part(bucket, version, parts, last=False)      # `t` follows: not the last part
+                    sent, parts, bucket, size = sent + size, parts + 1, [], 0
+                bucket.append((name, t))
+                size += t.numel() * t.element_size()
+            if not bucket:
+                raise RolloutServerError(f"rollout server {self.http.address}: a weight update with no tensors")
+            self._send_part(bucket, version, parts, last=True)
+            sent, parts = sent + size, parts + 1
+            ack = self._check_instance(self.http.call("GET", "/version?wait=1"))
+            if ack.get("version") != version:
+                raise RolloutServerError(f"rollout server {self.http.address} acknowledged weights version "
+                                         f"{ack.get('version')}, not {version}")
+            if self.barrier is not None:
+                self.barrier()
+        self.version = version
+        self.last_sync = {"time/sync": time.perf_counter() - t0, "sync/mb": sent / 2**20, "sync/parts": float(parts)}
+
+    def _send_part(self, named: list, version: int, part: int, *, last: bool) -> None:
+        body = {"version": version, "tensors": wire.describe(named)}
+        if not (part == 0 and last):
+            body.update(part=part, last=last)
+        self.http.call("POST", "/update_weights", body, tries=1)
         try:
             self.group.send([t for _, t in named])
         except RuntimeError as exc:
             raise RolloutServerError(f"rollout server {self.http.address}: the weight broadcast failed ({exc})") from None
-        ack = self._check_instance(self.http.call("GET", "/version?wait=1"))
-        if ack.get("version") != version:
-            raise RolloutServerError(f"rollout server {self.http.address} acknowledged weights version "
-                                     f"{ack.get('version')}, not {version}")
-        self.version = version
 
+    def _await_version(self, version: int) -> None:
+        """Until the server holds `version` (pushed by another client), within `timeout_s`: at once
+        after the barrier, else polled."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            v = self._check_instance(self.http.call("GET", "/version?wait=1")).get("version")
+            if v == version:
+                return
+            if self.barrier is not None or time.monotonic() > deadline:
+                raise RolloutServerError(f"rollout server {self.http.address} holds weights version {v}, and "
+                                         f"version {version} did not arrive within {self.timeout_s:g} s")
+            time.sleep(0.02)
     def _check_instance(self, answer: dict) -> dict:
         if answer.get("instance") != self.instance:
             raise RolloutServerError(
@@ -219,13 +270,18 @@ class ServerEngine:
                generator: torch.Generator | None = None) -> PendingRollout:
         """Start a generation in the background; the server's sampler is seeded from `generator`."""
         seed = None
-        if generator is not None:
+        if isinstance(generator, PromptStreams):
+            if len(generator) != len(prompt_ids):
+                raise ValueError(f"{len(generator)} prompt streams for {len(prompt_ids)} prompts")
+        elif generator is not None:
             seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
         body = {"prompt_ids": [list(map(int, p)) for p in prompt_ids], "seed": seed,
                 "params": {"n": params.n, "max_new_tokens": params.max_new_tokens,
                            "temperature": float(params.temperature), "top_p": float(params.top_p),
                            "top_k": params.top_k, "ignore_eos": params.ignore_eos,
                            "resample_threshold": params.resample_threshold}}
+        if isinstance(generator, PromptStreams):
+            body["stream_seeds"] = list(generator.seeds)
         return PendingRollout(self, prompt_ids, params, body)
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
@@ -271,4 +327,5 @@ class ServerEngine:
 
     def close(self) -> None:
         """Leave the weight group (the server keeps running)."""
-        self.group.close()
+        if self.group is not None:
+            self.group.close()

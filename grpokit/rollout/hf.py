@@ -38,6 +38,7 @@ class HFEngine:
     step (`owns_weights=True`: the decoupled-engine path, run in one process)."""
 
     cancellable = True          # generate() takes `stop`
+    prompt_streams = True       # ... and a PromptStreams for `generator`
 
     def __init__(self, model, tokenizer, *, lean: bool = True, owns_weights: bool = False):
         """`lean`: use grpokit's own forward for models that `LeanDecoder.supports` (same
@@ -70,6 +71,15 @@ class HFEngine:
         for name, t in given:
             state[name].copy_(t)
         self.weights_version = self.weights_version + 1 if version is None else version
+
+    def load_part(self, named_tensors) -> None:
+        """Load some of the model's tensors (one part of an update in parts, checked whole before any
+        is loaded); the caller tracks that the parts together give every parameter."""
+        state = self.model.state_dict()
+        given = list(named_tensors)
+        check_weights(((n, t.shape) for n, t in given), *self.expected_weights()[:1], set())
+        for name, t in given:
+            state[name].copy_(t)
 
     def expected_weights(self) -> tuple[dict[str, tuple[int, ...]], set[str]]:
         """(shape of every tensor `update_weights` takes, the names it must be given: every

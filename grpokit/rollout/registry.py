@@ -66,10 +66,12 @@ def _hf_copy(model, tokenizer, **options):
 
 
 @register_engine("server")
-def _server(model, tokenizer, rollout=None, **options):
+def _server(model, tokenizer, rollout=None, sends_weights: bool = True, push: bool = True, **options):
     """Generation in a `grpokit rollout-server` process at `rollout.server` (HOST:PORT,
     `grpokit.rollout.client.ServerEngine`); weights pushed over a torch.distributed group. The
-    server starts from the policy's weights as they are now (version 0; LoRA merged)."""
+    server starts from the policy's weights as they are now (version 0; LoRA merged), unless `push`
+    is False (a data-parallel trainer pushes them from its workers, every rank taking part).
+    `sends_weights`: False for the clients of a data-parallel job's other ranks."""
     from grpokit.errors import ConfigError
     from grpokit.rollout.client import ServerEngine
     from grpokit.models.lora import is_peft, merged_state_dict
@@ -78,9 +80,11 @@ def _server(model, tokenizer, rollout=None, **options):
         raise ConfigError("rollout.engine=server needs rollout.server=HOST:PORT (a running `grpokit rollout-server`)")
     engine = ServerEngine(rollout.server, tokenizer, device=next(model.parameters()).device,
                           timeout_s=rollout.server_timeout_s, retries=rollout.server_retries,
-                          api_key=os.environ.get(rollout.server_api_key_env) or None)
-    weights = merged_state_dict(model) if is_peft(model) else model.state_dict()
-    engine.update_weights(((n, t.detach()) for n, t in weights.items()), version=0)
+                          api_key=os.environ.get(rollout.server_api_key_env) or None, sends_weights=sends_weights,
+                          bucket_mb=rollout.sync_bucket_mb)
+    if push:
+        weights = merged_state_dict(model) if is_peft(model) else model.state_dict()
+        engine.update_weights(((n, t.detach()) for n, t in weights.items()), version=0)
     return engine
 
 

@@ -14,7 +14,9 @@ Endpoints (JSON bodies, grpokit.rollout.wire; all of them need the API key when 
   POST /init_weights_group   GroupRequest -> {"port", "group_id", "secret"}: join the store on that port
                              as rank 0 and prove the secret
   POST /update_weights       UpdateRequest: checked against the engine's tensors, which then follow over
-                             the group; answered at once
+                             the group; answered at once. An update may come in parts (buckets): no
+                             generation runs between them (503, asked again), and the version is
+                             loaded with the last part once the parts gave every parameter
   GET  /version[?wait=1]     {"version"}; with wait=1, once the update in progress is loaded (or failed)
   GET  /checksums            {"version", "checksums": {name: sha256 of the bytes}} of the engine's weights
   POST /shutdown             stop serving
@@ -27,18 +29,22 @@ import hashlib
 import logging
 import os
 import threading
+import time
 import uuid
 
 import torch
 
 from grpokit.errors import ConfigError
 from grpokit.rollout import wire
-from grpokit.rollout.base import GenerationCancelled, NonFiniteLogits, check_weights
+from grpokit.rollout.base import GenerationCancelled, NonFiniteLogits, PromptStreams, check_weights
 from grpokit.rollout.serving import (API_KEY_ENV, RequestError, RolloutHTTPServer, ServerLimits, check_bind,
                                      is_loopback)
 from grpokit.rollout.weight_sync import SERVER, WeightGroup, host_store, new_group_id, new_secret
 
 log = logging.getLogger("grpokit.rollout.server")
+
+PART_TIMEOUT_S = 600.0
+"""Longest wait for the next part of an update in parts; past it the update is abandoned."""
 
 __all__ = ["RequestError", "RolloutService", "ServerLimits", "make_server", "serve", "tensor_checksum"]
 
@@ -60,6 +66,8 @@ class RolloutService:
         self.join_error: str | None = None
         self.updating: threading.Thread | None = None
         self.update_error: str | None = None
+        self.partial: dict | None = None        # an update in parts under way: version, next part, names, deadline
+        self.broken: str | None = None          # why the weights are a mix of two versions (until a whole update)
         self.counts = {"generated": 0, "cancelled": 0}
         self._count_lock = threading.Lock()
         self.routes = {
@@ -130,9 +138,16 @@ class RolloutService:
         engine can (`cancellable`), else once it is done; a cancelled generation answers nothing."""
         self.check_limits(req)
         dev = torch.device(self.info["device"])
-        gen = torch.Generator(device=dev).manual_seed(req.seed) if req.seed is not None else None
+        if req.stream_seeds is not None:
+            if not getattr(self.engine, "prompt_streams", False):
+                raise RequestError(400, f"this server's backend ({self.info['backend']}) cannot sample one stream "
+                                        "per prompt (stream_seeds); a data-parallel trainer needs --backend hf")
+            gen = PromptStreams(req.stream_seeds, device=dev)
+        else:
+            gen = torch.Generator(device=dev).manual_seed(req.seed) if req.seed is not None else None
         cancellable = getattr(self.engine, "cancellable", False)
         with self.engine_lock:
+            self._check_whole()
             version = self.version
             try:
                 if stop is not None and stop.is_set():
@@ -181,13 +196,35 @@ class RolloutService:
             self.joining.start()
             return {"port": store.port, "group_id": gid, "secret": secret}
 
+    def _check_whole(self) -> None:
+        """Called under the engine lock before a generation: refuse while the weights are between
+        two versions (503 while an update in parts is under way, so the client asks again; 409 once
+        one was abandoned)."""
+        p = self.partial
+        if p is not None and time.monotonic() > p["deadline"]:
+            self.partial = None
+            self.broken = (f"weights version {p['version']} arrived in part only (parts 0-{p['next'] - 1}, then "
+                           "nothing): the weights are a mix of two versions until a whole update")
+            log.error(self.broken)
+        if self.broken is not None:
+            raise RequestError(409, self.broken, "weights_broken")
+        if self.partial is not None:
+            raise RequestError(503, f"weights version {self.partial['version']} is being loaded in parts", "busy")
+
     def start_update(self, req: wire.UpdateRequest) -> dict:
         """Check the announced tensors against the engine's (names and shapes; refused whole, 400,
-        before any moves), receive them over the group from a thread, then load them whole."""
+        before any moves), receive them over the group from a thread, then load them. A whole
+        update (part 0, last) is loaded at once; parts are loaded as they come, in order, and the
+        version changes with the last part once every parameter has been given."""
         expected = getattr(self.engine, "expected_weights", None)
+        whole = req.part == 0 and req.last
+        if not whole and not hasattr(self.engine, "load_part"):
+            raise RequestError(400, f"this server's backend ({self.info['backend']}) loads a weight update in one "
+                                    "part only: set rollout.sync_bucket_mb=0 on the trainer", "bad_weights")
         if expected is not None:
+            shapes, required = expected()
             try:
-                check_weights(((m.name, m.shape) for m in req.tensors), *expected())
+                check_weights(((m.name, m.shape) for m in req.tensors), shapes, required if whole else set())
             except (KeyError, ValueError) as exc:
                 msg = exc.args[0] if exc.args else str(exc)
                 raise RequestError(400, f"weights version {req.version} not loaded: {msg}", "bad_weights") from None
@@ -197,7 +234,13 @@ class RolloutService:
             if self.group is None:
                 raise RequestError(409, self.join_error or "no weight group: POST /init_weights_group first")
             if self.updating is not None and self.updating.is_alive():
-                raise RequestError(409, "a weight update is in progress")
+                if whole or req.part == 0:
+                    raise RequestError(409, "a weight update is in progress")
+                self.updating.join()                 # the part before this one is still loading
+            if not whole:
+                if req.part > 0 and self.update_error is not None:
+                    raise RequestError(409, self.update_error, "update_failed")
+                self._next_part(req, required if expected is not None else set())
             self.update_error = None
             group = self.group
 
@@ -205,15 +248,53 @@ class RolloutService:
                 try:
                     named = group.receive(req.tensors)
                     with self.engine_lock:
-                        self.engine.update_weights(named, version=req.version)
-                        self.version = req.version
+                        if whole:
+                            self.engine.update_weights(named, version=req.version)
+                            self.version, self.broken = req.version, None
+                        else:
+                            self.engine.load_part(named)
+                            self._part_loaded(req)
                 except Exception as exc:  # noqa: BLE001 - reported to the trainer by /version?wait=1
                     self.update_error = f"weights version {req.version} not loaded: {exc}"
+                    if not whole:
+                        self.partial = None
+                        self.broken = f"{self.update_error} (the weights are a mix of two versions until a whole update)"
                     log.error(self.update_error)
 
             self.updating = threading.Thread(target=receive, name="weight-update", daemon=True)
             self.updating.start()
             return {"receiving": len(req.tensors), "version": req.version}
+
+    def _next_part(self, req: wire.UpdateRequest, required: set[str]) -> None:
+        """Under the state lock: the part must follow the one before it (part 0 starts an update)."""
+        p = self.partial
+        if req.part == 0:
+            self.partial = {"version": req.version, "next": 0, "names": set(), "required": required,
+                            "deadline": time.monotonic() + PART_TIMEOUT_S}
+        elif p is None or p["version"] != req.version or p["next"] != req.part:
+            want = "part 0" if p is None else f"part {p['next']} of version {p['version']}"
+            raise RequestError(409, f"weights version {req.version} part {req.part} is out of order (expected {want})",
+                               "bad_weights")
+        names = self.partial["names"]
+        if any(m.name in names for m in req.tensors):
+            raise RequestError(400, f"weights version {req.version} part {req.part} repeats a tensor of an earlier "
+                                    "part", "bad_weights")
+        self.partial["deadline"] = time.monotonic() + PART_TIMEOUT_S
+
+    def _part_loaded(self, req: wire.UpdateRequest) -> None:
+        """Under the engine lock, a part loaded: the version changes with the last one, if complete."""
+        p = self.partial
+        p["names"].update(m.name for m in req.tensors)
+        p["next"] = req.part + 1
+        if not req.last:
+            return
+        self.partial = None
+        missing = p["required"] - p["names"]
+        if missing:
+            raise ValueError(f"{len(missing)} parameters were in no part, e.g. {sorted(missing)[:3]}")
+        self.version, self.broken = req.version, None
+        if hasattr(self.engine, "weights_version"):
+            self.engine.weights_version = req.version
 
     def wait_version(self, wait: bool) -> dict:
         t = self.updating

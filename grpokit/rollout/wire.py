@@ -51,9 +51,20 @@ class GenerateRequest(_Wire):
     params: WireSampling
     seed: int | None = Field(None, ge=0, lt=2**63)
     """Seeds the server's sampler, so the trainer's seeded run stays reproducible."""
+    stream_seeds: list[int] | None = None
+    """One seed per prompt instead of `seed`: prompt j's completions draw from a stream of their own
+    (`grpokit.rollout.base.PromptStreams`), whatever else shares the request. What a data-parallel
+    trainer sends, so that a group samples the same completions at any world size."""
 
     @model_validator(mode="after")
     def _prompts(self):
+        if self.stream_seeds is not None:
+            if self.seed is not None:
+                raise ValueError("seed and stream_seeds: give one of them")
+            if len(self.stream_seeds) != len(self.prompt_ids):
+                raise ValueError(f"{len(self.stream_seeds)} stream_seeds for {len(self.prompt_ids)} prompts")
+            if any(not 0 <= s < 2**63 for s in self.stream_seeds):
+                raise ValueError("a stream seed is outside [0, 2^63)")
         for i, p in enumerate(self.prompt_ids):
             if not p:
                 raise ValueError(f"prompt {i} is empty (every prompt needs at least one token)")
@@ -105,9 +116,14 @@ class TensorMeta(_Wire):
 
 
 class UpdateRequest(_Wire):
-    """Announces a weight update: the tensors follow over the weight group, in this order."""
+    """Announces a weight update, or one part of it: the tensors follow over the weight group, in
+    this order. An update in parts (buckets, so that the trainer never holds the whole model at
+    once) numbers them from 0; the version is loaded when the part marked `last` has arrived and
+    the parts together gave every parameter."""
     version: int = Field(ge=0, lt=2**62)
     tensors: list[TensorMeta] = Field(min_length=1, max_length=100_000)
+    part: int = Field(0, ge=0, lt=2**31)
+    last: bool = True
 
     @model_validator(mode="after")
     def _unique(self):

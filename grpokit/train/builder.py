@@ -215,7 +215,7 @@ def _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, env
     from grpokit.train.reference import ReferenceProbe
     from grpokit.train.run import Trainer
     from grpokit.train.rundir import RunDir
-    from grpokit.train.step import Step
+    from grpokit.train.step import Step, sync_weights
     from grpokit.train.transforms import DynamicSampling, build_transforms
     from grpokit.train.worker import LocalWorker
 
@@ -230,10 +230,16 @@ def _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, env
         raise ConfigError("build_run: a worker comes with its tokenizer (tokenizer=)")
     encoder = _encoder(cfg, worker.model, tokenizer, (dataset, eval_ds))
     r, cur = cfg.rollout, cfg.data.curriculum
-    if engine is None:
+    if engine is None and r.engine == "server" and comm.mode != "none":
+        # every rank generates its own groups on the server; rank 0 alone sends the weights, which
+        # every rank exports together (an FSDP2 export gathers each tensor collectively)
+        engine = build_engine(r.engine, worker.model, tokenizer, rollout=r, sends_weights=comm.is_main, push=False)
+        engine.barrier = comm.barrier
+        sync_weights(engine, worker, 0)
+    elif engine is None:
         engine = build_engine(r.engine, worker.model, tokenizer, rollout=r)
-    if getattr(worker, "gathered", None) is not None:     # sharded weights: gathered once per rollout
-        engine = GatheredEngine(engine, worker)
+    if getattr(worker, "gathered", None) is not None and r.engine != "server":     # sharded weights:
+        engine = GatheredEngine(engine, worker)                                     # gathered once per rollout
     dev = next(worker.model.parameters()).device
     gen = torch.Generator(device="cpu" if dev.type == "cpu" else dev)
     gen.manual_seed(cfg.train.seed)

@@ -160,8 +160,9 @@ def reduction(key: str) -> str:
     """How `key` combines over ranks: "sum", "max", "min" or "mean"."""
     if key.startswith(SUMMED) or key.endswith("/errors"):
         return "sum"
-    if key.startswith(("time/", "memory/")) or key.endswith(("_max", "ratio_max", "/integrity_drift")):
-        return "max"                   # the slowest rank sets the pace; the largest process the memory
+    if key.startswith(("time/", "memory/", "sync/")) or key.endswith(("_max", "ratio_max", "/integrity_drift")):
+        return "max"                   # the slowest rank sets the pace; the largest process the memory;
+                                       # one rank sends a rollout server the weights (sync/)
     if key.endswith("_min"):
         return "min"
     return "mean"

@@ -42,10 +42,16 @@ def world_size_from_env() -> int:
         raise ConfigError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not a number") from None
 
 
-def resolve_mode(setting: str, world: int) -> str:
-    """`train.distributed` at this world size: "none", "ddp" or "fsdp2"."""
+def resolve_mode(setting: str, world: int, lora=None) -> str:
+    """`train.distributed` at this world size: "none", "ddp" or "fsdp2". `auto` is FSDP2, except
+    with LoRA adapters on a frozen base that FSDP2 cannot serve (`lora`: the config's section): a
+    4-bit base (its packed weights cannot be sharded) or the exact adapter-off reference (it would
+    run through the sharded policy). There DDP replicates the frozen base, a quarter of its
+    16-bit size when 4-bit, and reduces only the adapters' gradients."""
     if setting == "auto":
-        return "fsdp2" if world > 1 else "none"
+        if world <= 1:
+            return "none"
+        return "ddp" if ddp_only(lora) else "fsdp2"
     if setting == "none" and world > 1:
         raise ConfigError(f"train.distributed=none, but this process is one of WORLD_SIZE={world} ranks "
                           "(use ddp, fsdp2 or auto, or launch a single process)")
@@ -58,13 +64,26 @@ def check_config(cfg, world: int) -> None:
     if P % world:
         raise ConfigError(f"rollout.batch_size / rollout.group_size = {P} prompts per step is not divisible by "
                           f"the world size {world}: every rank takes whole groups, the same number each")
-    if cfg.rollout.engine in ("server", "vllm"):
-        raise ConfigError(f"rollout.engine={cfg.rollout.engine} is not supported with train.distributed yet "
-                          "(each rank generates with its own copy: use rollout.engine=hf)")
+    if cfg.rollout.engine == "vllm":
+        raise ConfigError("rollout.engine=vllm is not supported with train.distributed yet (each rank generates "
+                          "with its own copy: use rollout.engine=hf, or a rollout server with rollout.engine=server)")
     if cfg.rollout.async_:
         raise ConfigError("rollout.async is not supported with train.distributed yet")
-    if cfg.lora.enabled and cfg.lora.load_in_4bit:
-        raise ConfigError("lora.load_in_4bit is not supported with train.distributed")
+    if resolve_mode(cfg.train.distributed, world, cfg.lora) == "fsdp2" and (why := ddp_only(cfg.lora)):
+        raise ConfigError(f"train.distributed=fsdp2 cannot shard a LoRA run with {why}; use train.distributed=ddp "
+                          "(or auto): the frozen base is replicated and only the adapters' gradients are reduced")
+
+
+def ddp_only(lora) -> str:
+    """Why a LoRA setup needs DDP rather than FSDP2 ("" when it does not)."""
+    if lora is None or not lora.enabled:
+        return ""
+    if lora.load_in_4bit:
+        return ("a 4-bit base (lora.load_in_4bit: bitsandbytes packs each weight with per-block constants "
+                "that FSDP2's row sharding would split)")
+    if lora.reference == "adapter_off":
+        return "lora.reference=adapter_off (the reference would run through the sharded policy; or set lora.reference=copy)"
+    return ""
 
 
 def free_port() -> int:
@@ -132,7 +151,7 @@ def init(cfg) -> DistContext | None:
     for a single process. Collectives time out after `train.dist_timeout_s`, so a dead rank stops
     the others in bounded time; mismatched configs between ranks are refused here."""
     world = world_size_from_env()
-    mode = resolve_mode(cfg.train.distributed, world)
+    mode = resolve_mode(cfg.train.distributed, world, cfg.lora)
     if mode == "none":
         return None
     check_config(cfg, world)
@@ -152,10 +171,9 @@ def init(cfg) -> DistContext | None:
             dist.init_process_group(backend, timeout=timeout, device_id=device if cuda else None)
         else:                                  # one process asked for ddp / fsdp2 without torchrun
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    if mode == "fsdp2" and cfg.lora.enabled and cfg.lora.reference == "adapter_off":
-        raise ConfigError("lora.reference=adapter_off is not supported with train.distributed=fsdp2 (the "
-                          "reference would run through the sharded policy); use lora.reference=copy")
     ctx = DistContext(mode=mode, rank=dist.get_rank(), world=dist.get_world_size(), local_rank=local, device=device)
+    if cfg.train.distributed == "auto" and mode == "ddp" and ctx.rank == 0:
+        log.info("train.distributed=auto: DDP, as FSDP2 cannot shard a LoRA run with %s", ddp_only(cfg.lora))
     torch.manual_seed(cfg.train.seed + ctx.rank)      # per-rank streams for anything else that draws
     check_same_config(ctx, cfg)
     return ctx

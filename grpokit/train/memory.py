@@ -142,14 +142,14 @@ def setup_from_config(cfg, *, device: str | None = None, prompt_tokens: int = 25
                  group_size=cfg.rollout.group_size, batch_size=cfg.rollout.batch_size, prompt_tokens=prompt_tokens,
                  max_new_tokens=cfg.rollout.max_new_tokens, micro_batch=cfg.optim.micro_batch_size,
                  chunk_tokens=cfg.optim.logprob_chunk, temperature=cfg.rollout.temperature,
-                 world_size=world_size, distributed=_distributed_mode(cfg.train.distributed, world_size),
+                 world_size=world_size, distributed=_distributed_mode(cfg.train.distributed, world_size, cfg.lora),
                  judges=judge_bytes_of(cfg, dev))
 
 
 
-def _distributed_mode(setting: str, world_size: int) -> str:
+def _distributed_mode(setting: str, world_size: int, lora=None) -> str:
     from grpokit.train.distributed import resolve_mode
-    return resolve_mode(setting, world_size)
+    return resolve_mode(setting, world_size, lora)
 
 
 @dataclass

@@ -59,11 +59,14 @@ class StepSettings:
     kl_measure_rows: int = 16
 
 
-def sync_weights(engine, worker, version: int) -> None:
+def sync_weights(engine, worker, version: int) -> dict[str, float]:
     """Push the trained weights to an engine that holds its own copy (no-op otherwise). Their
-    version is the number of optimizer steps they have trained."""
-    if owns_weights(engine):
-        engine.update_weights(worker.export_weights(), version=version)
+    version is the number of optimizer steps they have trained. Returns what the engine reports of
+    the push (`time/sync`, `sync/mb`, `sync/parts` for a rollout server), else {}."""
+    if not owns_weights(engine):
+        return {}
+    engine.update_weights(worker.export_weights(), version=version)
+    return dict(getattr(engine, "last_sync", None) or {})
 
 
 BATCH_KEYS = ("reward/mean", "reward/std", "reward/pass_rate", "completion/length_mean", "completion/length_max",
@@ -131,7 +134,7 @@ class Step:
         m["time/update"] = time.perf_counter() - t
         drift = self.ref_probe.check(self.worker, batch, step_idx) if self.ref_probe is not None else None
         self._after_update(upd.pop("guard/causes"), int(upd.pop("guard/updates_skipped")), step_idx)
-        sync_weights(self.engine, self.worker, step_idx + 1)           # 7 (after a rollback, too)
+        m.update(sync_weights(self.engine, self.worker, step_idx + 1))      # 7 (after a rollback, too)
         if kl_in_reward is not None:                 # no KL term in the loss: kl/ref is the reward's k1
             upd.update(kl_in_reward)
         if self.entropy_ctl is not None:              # the next update's bonus (grpokit.algo.entropy)

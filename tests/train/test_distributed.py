@@ -23,6 +23,7 @@ import torch
 
 from grpokit.config import load_config
 from grpokit.errors import ConfigError
+from grpokit.models.lora import four_bit_unavailable
 from grpokit.train import checkpoint as ckpt_lib
 from grpokit.train import distributed
 from grpokit.train.build import reference_for
@@ -30,6 +31,8 @@ from grpokit.train.worker import LocalWorker
 from tests.fixtures import small_overrides, tiny_run_inputs
 from tests.train import torchrun
 from tests.train.dist_programs import COMBINATIONS, equivalence_config, fixed_batch, tiny_policy, train_one_step
+
+HAS_4BIT = four_bit_unavailable("cpu") is None
 
 
 # ---------------------------------------------------------------------- unit: no process group
@@ -39,6 +42,21 @@ def test_auto_is_fsdp2_beyond_one_process_and_none_alone():
     assert distributed.resolve_mode("ddp", 2) == "ddp"
     with pytest.raises(ConfigError, match="WORLD_SIZE=2"):
         distributed.resolve_mode("none", 2)
+
+
+def test_auto_takes_ddp_for_lora_that_fsdp2_cannot_shard():
+    def lora(*over):
+        return load_config(None, ["lora.enabled=true", *over]).lora
+    assert distributed.resolve_mode("auto", 2, lora("lora.load_in_4bit=true")) == "ddp"
+    assert distributed.resolve_mode("auto", 2, lora()) == "ddp"                         # adapter_off reference
+    assert distributed.resolve_mode("auto", 2, lora("lora.reference=copy")) == "fsdp2"
+    assert distributed.resolve_mode("auto", 1, lora("lora.load_in_4bit=true")) == "none"
+    distributed.check_config(load_config(None, ["lora.enabled=true", "lora.load_in_4bit=true"]), 2)   # auto: accepted
+    for over, why in ((["lora.load_in_4bit=true"], "4-bit base"), ([], "adapter_off")):
+        cfg = load_config(None, ["lora.enabled=true", "train.distributed=fsdp2", *over])
+        with pytest.raises(ConfigError, match=f"cannot shard a LoRA run with .*{why}.*use train.distributed=ddp"):
+            distributed.check_config(cfg, 2)
+        distributed.check_config(load_config(None, ["lora.enabled=true", "train.distributed=ddp", *over]), 2)
 
 
 def test_single_process_never_joins_a_process_group(monkeypatch):
@@ -241,6 +259,35 @@ def test_rewriting_at_two_processes_matches_one(tmp_path, inputs, mode):
         assert a["loss/rewrite"] > 0 and a["rewrite/sequences"] == b["rewrite/sequences"]
         for k in ("loss/rewrite", "loss/total", "reward/mean", "optim/grad_norm"):
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (a["step"], k)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.skipif(not HAS_4BIT, reason="bitsandbytes 4-bit is not available on this platform")
+def test_qlora_at_two_processes_matches_one(tmp_path, inputs):
+    """QLoRA under data parallelism (`auto` picks DDP for a 4-bit base): the same 4-bit base on each
+    rank, only the adapters' gradients reduced, the exact adapter-off reference; step 2 (trained on
+    step 1's update) matches the 1-process run, and the checkpoint holds the adapters alone. (The
+    argv after "train": _train_args without "-m grpokit".)"""
+    rows, logs = {}, {}
+    for world in (2, 1):
+        run_dir, out = tmp_path / f"q{world}", tmp_path / f"out{world}"
+        argv = _train_args(inputs, run_dir, **{
+            "train.steps": 2, "lora.enabled": "true", "lora.rank": 4, "lora.load_in_4bit": "true",
+            "optim.lr": 5e-2, "algorithm.kl.beta": 0.05, "train.save_every": 2,
+            "rewards": "[{name: digit_parity}]",                          # auto at 2 processes; DDP at 1
+            **({} if world == 2 else {"train.distributed": "ddp"})})[2:]   # draws each group from the same stream
+        _, logs[world], _ = torchrun.run(world, torchrun.program("train_parity", out, *argv), timeout=200)
+        assert [(out / f"rank{r}.exit").read_text() for r in range(world)] == ["0"] * world
+        rows[world] = _rows(run_dir)
+    assert "train.distributed=auto: DDP, as FSDP2 cannot shard a LoRA run with a 4-bit base" in logs[2]
+    assert [r["step"] for r in rows[2]] == [1, 2]
+    for a, b in zip(rows[2], rows[1]):
+        for k in ("loss/total", "reward/mean", "optim/grad_norm", "kl/ref"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (a["step"], k)
+    assert rows[2][1]["kl/ref"] > 0                     # the adapters moved the policy off its base
+    saved = tmp_path / "q2" / "checkpoints" / "step_000002"
+    assert (saved / "adapter_config.json").is_file() and not (saved / "model.safetensors").exists()
 
 
 _NOT_REPRODUCED = ("time/", "throughput/", "memory/", "ref/cache")   # the cache is the process's, not the run's

@@ -1,0 +1,81 @@
+"""Data-parallel training with a rollout server: 2 ranks (FSDP2) and one `grpokit rollout-server`,
+three processes (docs/distributed.md, "A rollout server").
+
+Each rank sends its own groups to the server with their per-group seeds (`stream_seeds`), so the
+completions are the ones the in-process engine draws; rank 0 pushes the weights in parts, every rank
+gathering each tensor together (FSDP2), and every rank waits for the push at a barrier. Marked slow
+and distributed like the other multi-process tests; every process is bounded in time and killed
+when the test ends (tests/train/torchrun.py, tests/rollout/server_proc.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from grpokit.rollout.server import tensor_checksum
+from tests.fixtures import small_overrides, tiny_run_inputs
+from tests.rollout.server_proc import ServerProcess, request
+from tests.train import torchrun
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    return tiny_run_inputs(tmp_path_factory.mktemp("dist_server_inputs"))
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train(inputs, world: int, run_dir, out, *extra_argv, **over):
+    _, model_dir, train, _ = inputs
+    argv = ["train", *small_overrides(model_dir, train, run_dir, **{
+        "rewards": "[{name: digit_parity}]", "optim.lr": 5e-2, "train.distributed": "fsdp2",
+        "train.dist_timeout_s": 60, "train.check_rewards": "false", "train.batch_advice": "false", **over}),
+        *extra_argv]
+    torchrun.run(world, torchrun.program("train_parity", out, *argv), timeout=240)
+    assert [(out / f"rank{r}.exit").read_text() for r in range(world)] == ["0"] * world
+    return _rows(run_dir)
+
+
+def test_two_ranks_with_a_server_train_as_in_process_and_resume_at_one(tmp_path, inputs):
+    _, model_dir, _, _ = inputs
+    with ServerProcess(model_dir, tmp_path / "server.log") as srv:
+        served = {"rollout.engine": "server", "rollout.server": srv.address, "rollout.server_timeout_s": 60,
+                  "rollout.sync_bucket_mb": 0.05}                  # the tiny model goes in several parts
+        run = tmp_path / "served"
+        rows = _train(inputs, 2, run, tmp_path / "o1", **served, **{
+            "train.steps": 3, "train.save_every": 1, "train.keep_last": 5})
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        assert request(srv.address, "GET", "/version")[1]["version"] == 3         # one version a step
+        assert all(r["sync/parts"] > 1 and r["sync/mb"] > 0 for r in rows)
+
+        # the server holds the trainer's weights, bit for bit (the sharded checkpoint, exported)
+        from grpokit.cli import main
+        from grpokit.models import load_model
+        assert main(["export", str(run / "checkpoints" / "step_000003"), str(tmp_path / "plain")]) == 0
+        plain = load_model(tmp_path / "plain", dtype="float32", device="cpu")
+        sums = request(srv.address, "GET", "/checksums")[1]["checksums"]
+        assert {n: sums[n] for n, _ in plain.named_parameters()} == {
+            n: tensor_checksum(t) for n, t in plain.named_parameters()}
+
+        # the same run with the in-process engine draws the same completions
+        local = _train(inputs, 2, tmp_path / "local", tmp_path / "o2", **{"train.steps": 3})
+        for a, b in zip(rows, local):
+            assert a["reward/mean"] == b["reward/mean"] and a["completion/length_mean"] == b["completion/length_mean"]
+            for k in ("loss/total", "optim/grad_norm"):
+                assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (a["step"], k)
+
+        # resumed from step 2 at one process: the server is pushed step 2's weights, then step 3's
+        resumed = tmp_path / "resumed"
+        (resumed / "checkpoints").mkdir(parents=True)
+        shutil.copytree(run / "checkpoints" / "step_000002", resumed / "checkpoints" / "step_000002")
+        got = _train(inputs, 1, resumed, tmp_path / "o3", "--resume", **served, **{"train.steps": 3})
+        assert [r["step"] for r in got] == [3]
+        assert got[0]["reward/mean"] == rows[2]["reward/mean"]
+        assert got[0]["loss/total"] == pytest.approx(rows[2]["loss/total"], rel=1e-4, abs=1e-6)
+        assert request(srv.address, "GET", "/version")[1]["version"] == 3
