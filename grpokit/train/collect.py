@@ -46,10 +46,15 @@ class Collector:
         self.rounds = max_rounds if dynamic is not None else 1
         self.pool_factor, self.pad_id, self.steps = pool_factor, pad_id, steps
         self.overlap = (OneStepOffPolicy(engine, lambda: self.draw_prompts(self.P, self.step_idx),
-                                         self.encode_prompts, params, gen) if async_ else None)
+                                         self.encode_prompts, params, gen, share=comm.my_prompts,
+                                         streams=self._first_round_streams) if async_ else None)
         self.step_idx = 0                            # the step being collected (async draws read it)
         self.scored: list[Batch] = []                # every round's scored batch this step, before dynamic
                                                      # sampling drops groups (the curriculum reads them all)
+
+    def _first_round_streams(self, step: int) -> PromptStreams | None:
+        seeds = self.comm.group_streams(self.seed, step, 0, self.P)
+        return PromptStreams(seeds) if seeds is not None else None
 
     def encode_prompts(self, idx: list[int]) -> list[list[int]]:
         return [self.encoder.encode(self.dataset[i]["prompt"]) for i in idx]
@@ -117,7 +122,7 @@ class Collector:
         for r in range(self.rounds):
             t = time.perf_counter()
             if self.overlap is not None and r == 0:   # generated while the last step trained
-                idx, rb = self.overlap.take()
+                idx, rb = self.overlap.take(step)
                 rows = [self.dataset[i] for i in idx]
             else:                                     # this rank's whole groups of the global draw
                 idx = comm.my_prompts(self.draw_prompts(P, step))
@@ -146,7 +151,7 @@ class Collector:
             if n_kept >= P:
                 break
         if self.overlap is not None and step + 1 < self.steps:
-            self.overlap.submit()                     # batch k+1 from weights k, while step k trains
+            self.overlap.submit(step + 1)             # batch k+1 from weights k, while step k trains
         else:
             self.engine_memory("release_memory")      # ... and gives it to the update
         metrics = {"time/rollout": t_roll, "time/reward": t_rew, "dynamic/rounds": float(r + 1),

@@ -13,6 +13,11 @@ advantages always belong to the right batch.
 
 The request in flight at a checkpoint (its prompts and seed) is part of the trainer's state: a
 resumed run generates those same prompts again, with the checkpoint's weights (staleness 0).
+
+Under data parallelism every rank keeps its own request in flight: the step's global prompt draw
+(the same on every rank) is kept, each rank sends its share, and each group samples from its own
+stream seeded by (seed, step, group position), as on-policy data-parallel steps do; so the state
+is the global draw, whichever rank saves it.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from grpokit.errors import ConfigError
-from grpokit.rollout.base import RolloutBatch, SamplingParams
+from grpokit.rollout.base import PromptStreams, RolloutBatch, SamplingParams
 
 
 @dataclass
@@ -38,30 +43,37 @@ class OneStepOffPolicy:
     `encode(idx)` their token ids; seeds come from `generator` (the trainer's, checkpointed)."""
 
     def __init__(self, engine, draw: Callable[[], list[int]], encode: Callable[[list[int]], list[list[int]]],
-                 params: SamplingParams, generator: torch.Generator):
+                 params: SamplingParams, generator: torch.Generator, *,
+                 share: Callable[[list[int]], list[int]] | None = None,
+                 streams: Callable[[int], PromptStreams | None] | None = None):
+        """`draw()`: the next step's prompts (the global draw); `share(idx)`: this rank's part of it
+        (default: all); `streams(step)`: the per-group streams of `step`'s first round, or None to
+        seed the request from `generator`."""
         if not callable(getattr(engine, "submit", None)):
             raise ConfigError(f"rollout.async needs an engine that generates in the background (rollout.engine: "
                               f"server); {type(engine).__name__} does not")
         self.engine, self.draw, self.encode, self.params, self.gen = engine, draw, encode, params, generator
+        self.share = share or (lambda idx: idx)
+        self.streams = streams or (lambda step: None)
         self.in_flight: _InFlight | None = None
         self.restored: dict | None = None       # a checkpoint's request, submitted again by `take`
 
-    def submit(self, idx: list[int] | None = None, seed: int | None = None) -> None:
-        """Start generating for `idx` (default: the next prompts drawn)."""
+    def submit(self, step: int, idx: list[int] | None = None, seed: int | None = None) -> None:
+        """Start generating `step`'s first batch for `idx` (default: the next prompts drawn)."""
         idx = self.draw() if idx is None else list(idx)
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self.gen, device=self.gen.device))
-        gen = torch.Generator(device=self.gen.device).manual_seed(seed)
-        self.in_flight = _InFlight(idx, seed, self.engine.submit(self.encode(idx), self.params, gen))
+        gen = self.streams(step) or torch.Generator(device=self.gen.device).manual_seed(seed)
+        self.in_flight = _InFlight(idx, seed, self.engine.submit(self.encode(self.share(idx)), self.params, gen))
 
-    def take(self) -> tuple[list[int], RolloutBatch]:
-        """The batch in flight (submitted now when there is none: the first step, or after a
-        resume) with its prompts' dataset indices."""
+    def take(self, step: int) -> tuple[list[int], RolloutBatch]:
+        """`step`'s batch in flight (submitted now when there is none: the first step, or after a
+        resume) with this rank's prompts' dataset indices."""
         if self.in_flight is None:
-            self.submit(**(self.restored or {}))
+            self.submit(step, **(self.restored or {}))
             self.restored = None
         job, self.in_flight = self.in_flight, None
-        return job.idx, job.handle.result()
+        return self.share(job.idx), job.handle.result()
 
     def state_dict(self) -> dict | None:
         job = self.in_flight

@@ -394,38 +394,6 @@ def test_lora_under_fsdp2_trains_only_adapters_and_exports_the_merge(tmp_path):
             torch.testing.assert_close(streamed[n].float(), t, rtol=0, atol=1e-6, msg=n)
 
 
-@pytest.fixture(scope="module")
-def demo_inputs(tmp_path_factory):
-    """The embedded demo's warm-started model (its supervised warm start, about a minute) and files."""
-    from grpokit.demo import DemoSettings, warm_start
-    from grpokit.tasks.arithmetic import ArithmeticTask
-
-    root = tmp_path_factory.mktemp("demo")
-    s = DemoSettings()
-    task = ArithmeticTask(seed=s.seed, carry_frac=s.carry_frac, teacher_correct=s.teacher_correct, heldout=s.heldout)
-    warm = warm_start(s, task, root, lambda *a: None)
-    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in task.train_rows(4000, s.seed + 7)))
-    (root / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in task.heldout_rows()))
-    return root, warm
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_two_processes_teach_the_demo_task(tmp_path, demo_inputs):
-    """The demo's GRPO settings on 2 FSDP2 ranks (each samples half of the 16 groups per step):
-    held-out greedy accuracy rises, as in the single-process demo."""
-    root, warm = demo_inputs
-    run_dir = tmp_path / "run"
-    torchrun.run(2, ["-m", "grpokit", "train", "demo", f"model.path={warm}", f"data.path={root / 'train.jsonl'}",
-                     f"data.eval_path={root / 'heldout.jsonl'}", f"train.run_dir={run_dir}", "train.steps=30",
-                     "train.eval_every=0", "train.save_every=0", "train.save_every_minutes=0", "train.progress=false",
-                     "train.sample_every=0", "train.check_rewards=false", "train.dist_timeout_s=120"], timeout=240)
-    rows = _rows(run_dir)
-    before = next(r["eval/pass@1"] for r in rows if r["step"] == 0)
-    after = next(r["eval/pass@1"] for r in rows if r["step"] == 30)
-    assert after >= before + 0.15, (before, after)
-
-
 def test_export_writes_a_plain_model_and_refuses_an_incomplete_checkpoint(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
