@@ -80,6 +80,19 @@ def lr_lambda(warmup_steps: int, schedule: str, total: int):
 _NOTHING_SEEN = (0.0, math.inf)   # (largest ratio, smallest log-prob) of a mini-batch, for the guard
 
 
+def drop_padding_idx(model) -> None:
+    """Make the policy's input embedding an ordinary lookup: grpokit masks padding with the attention
+    mask, while `nn.Embedding(padding_idx=pad_id)` (transformers sets it from `pad_token_id`) zeroes
+    the gradient of every lookup of the pad id, real occurrences included: a chat separator that is
+    also the pad token (`<|im_end|>` in several chat models), or a pad id sampled mid-completion.
+    grpokit's own forward (grpokit.train.forward) takes the true gradient; without this the model's
+    forward (FSDP2, gradient checkpointing, architectures the lean forward does not cover) gave that
+    row another one. Forward values do not change."""
+    emb = unwrap(model).get_input_embeddings() if hasattr(unwrap(model), "get_input_embeddings") else None
+    if isinstance(emb, torch.nn.Embedding) and emb.padding_idx is not None:
+        emb.padding_idx = None
+
+
 class LocalWorker:
     """The policy, its optimizer and schedule, and its reference, in this process."""
 
@@ -89,6 +102,7 @@ class LocalWorker:
             raise ValueError("the model has no trainable parameters")
         self.cfg, self.model, self.reference = cfg, model, reference
         self.pad_id = tokenizer.pad_token_id
+        drop_padding_idx(model)
         self.device = next(model.parameters()).device
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)

@@ -84,6 +84,47 @@ def test_lean_forward_matches_in_float32(arch):
     torch.testing.assert_close(_grads(model), g_want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_the_pad_id_as_a_real_token_gets_one_gradient_on_both_paths(arch):
+    """A pad id that is a real token (a chat separator that is also the pad token, or one sampled
+    mid-completion): `nn.Embedding(padding_idx=...)` would zero its lookups' gradient on the model's
+    forward while grpokit's own forward keeps it. The worker makes both take the true gradient."""
+    from grpokit.config import load_config
+    from grpokit.train.worker import LocalWorker
+
+    tok, model = _model(arch)
+    pad = tok.pad_token_id
+    assert model.get_input_embeddings().padding_idx == pad
+    mb = _batch(tok)
+    mb.input_ids[0, mb.prompt_len + 1] = mb.targets[0, 1] = pad      # a real, unmasked completion token
+    mb.input_ids[2, mb.prompt_len] = mb.targets[2, 0] = pad
+    LocalWorker(load_config(None, []), model, tok, None)               # prepares the policy
+    emb = model.get_input_embeddings().weight
+    rows = []
+    for lean_on in (True, False):
+        model.zero_grad()
+        lean._enabled = lean_on
+        try:
+            assert uses_lean_forward(model, mb.attention_mask, mb.prompt_len) == lean_on
+            completion_logprobs(model, mb)[0].sum().backward()
+        finally:
+            lean._enabled = True
+        rows.append(emb.grad[pad].clone())
+    # the true derivative along a direction, by central differences on the model's own forward
+    v = torch.randn(emb.shape[1], generator=torch.Generator().manual_seed(3), dtype=emb.dtype)
+    eps = 1e-6
+    with torch.no_grad():
+        emb[pad] += eps * v
+        up = _reference(model, mb, 1.0).sum()
+        emb[pad] -= 2 * eps * v
+        down = _reference(model, mb, 1.0).sum()
+        emb[pad] += eps * v
+    fd = float((up - down) / (2 * eps))
+    for g in rows:
+        assert float(g @ v) == pytest.approx(fd, rel=1e-5, abs=1e-8)
+    torch.testing.assert_close(rows[0], rows[1], atol=1e-10, rtol=1e-8)
+
+
 def test_shared_prompts_get_the_sum_of_their_completions_gradients():
     # a prompt's embedding gradient must be the same whether its completions come in one
     # micro-batch (prompt run once, gathered) or one row at a time (prompt run per row)
