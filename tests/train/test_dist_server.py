@@ -1,5 +1,5 @@
 """Data-parallel training with a rollout server: 2 ranks (FSDP2) and one `grpokit rollout-server`,
-three processes (docs/distributed.md, "A rollout server").
+three processes (docs/distributed.md, "A rollout server"), on one launcher or as two machines.
 
 Each rank sends its own groups to the server with their per-group seeds (`stream_seeds`), so the
 completions are the ones the in-process engine draws; rank 0 pushes the weights in parts, every rank
@@ -77,6 +77,38 @@ def test_two_ranks_with_a_server_train_as_in_process_and_resume_at_one(tmp_path,
         got = _train(inputs, 1, resumed, tmp_path / "o3", "--resume", **served, **{"train.steps": 3})
         assert [r["step"] for r in got] == [3]
         assert got[0]["reward/mean"] == rows[2]["reward/mean"]
+        assert got[0]["loss/total"] == pytest.approx(rows[2]["loss/total"], rel=1e-4, abs=1e-6)
+        assert request(srv.address, "GET", "/version")[1]["version"] == 3
+
+
+def test_two_machines_and_a_server_train_checkpoint_and_resume_on_one(tmp_path, inputs):
+    """The multi-node path on this machine: two torchrun launchers (`--nnodes 2`, one process each,
+    c10d rendezvous on localhost) and a rollout server as a third process train 3 steps with a
+    sharded checkpoint every step; resumed from step 2 on one machine, step 3 repeats theirs."""
+    _, model_dir, train, _ = inputs
+    with ServerProcess(model_dir, tmp_path / "server.log") as srv:
+        def argv(run_dir, *extra):
+            return torchrun.program("train_parity", run_dir.with_name(run_dir.name + "_out"), "train", *small_overrides(
+                model_dir, train, run_dir, **{"rewards": "[{name: digit_parity}]", "optim.lr": 5e-2,
+                "train.distributed": "fsdp2", "train.dist_timeout_s": 60, "train.check_rewards": "false",
+                "train.batch_advice": "false", "rollout.engine": "server", "rollout.server": srv.address,
+                "rollout.server_timeout_s": 60, "train.steps": 3}), *extra)
+        run = tmp_path / "nodes"
+        torchrun.run_nodes(2, argv(run, "train.save_every=1", "train.keep_last=5"), timeout=240)
+        assert [(tmp_path / "nodes_out" / f"rank{r}.exit").read_text() for r in (0, 1)] == ["0", "0"]
+        rows = _rows(run)
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        assert request(srv.address, "GET", "/version")[1]["version"] == 3
+        ck = run / "checkpoints" / "step_000002"
+        assert len(list((ck / "dcp").glob("*.distcp"))) == 2             # one shard file per machine's rank
+        resumed = tmp_path / "one"
+        (resumed / "checkpoints").mkdir(parents=True)
+        shutil.copytree(ck, resumed / "checkpoints" / "step_000002")
+        torchrun.run_nodes(1, argv(resumed, "--resume"), timeout=240)
+        assert (tmp_path / "one_out" / "rank0.exit").read_text() == "0"
+        got = _rows(resumed)
+        assert [r["step"] for r in got] == [3]
+        assert got[0]["reward/mean"] == rows[2]["reward/mean"]            # the same completions
         assert got[0]["loss/total"] == pytest.approx(rows[2]["loss/total"], rel=1e-4, abs=1e-6)
         assert request(srv.address, "GET", "/version")[1]["version"] == 3
 

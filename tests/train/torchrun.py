@@ -66,3 +66,31 @@ def run(nproc: int, args: list[str], *, timeout: float, check: bool = True, **en
 def program(name: str, out: Path, *args) -> list[str]:
     """torchrun arguments running tests/train/dist_programs.py NAME OUT ARGS."""
     return [str(REPO / "tests" / "train" / "dist_programs.py"), name, str(out), *map(str, args)]
+
+
+def run_nodes(nnodes: int, args: list[str], *, timeout: float) -> list[str]:
+    """A job of `nnodes` "machines" on this one: as many torchrun launchers, one process each, meeting
+    at a c10d rendezvous on a free local port (what `torchrun --nnodes N --rdzv-backend c10d` does
+    across machines). Returns each launcher's output; fails the test when one fails or runs past
+    `timeout` seconds. Every launcher and its rank are killed at the end, whatever happened."""
+    port, procs = free_port(), []
+    rdzv = ["--nnodes", str(nnodes), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"grpokit-test-{port}"]
+    try:
+        for _ in range(nnodes):
+            procs.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *rdzv, *args], cwd=REPO,
+                                          env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                          start_new_session=True))
+        deadline, outs = time.monotonic() + timeout, []
+        for proc in procs:
+            try:
+                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"a launcher of the {nnodes}-node job did not finish in {timeout:.0f} s")
+            if proc.returncode != 0:
+                pytest.fail(f"a launcher of the {nnodes}-node job failed (exit {proc.returncode}):\n{out[-6000:]}")
+            outs.append(out)
+        return outs
+    finally:
+        for proc in procs:
+            kill_group(proc)
