@@ -72,8 +72,11 @@ class RolloutConfig(_Section):
     weights, synced after every optimizer step; `vllm`: vLLM in this process, options in
     `rollout.vllm`; `server`: a `grpokit rollout-server` process at
     `rollout.server`; add one with `grpokit.rollout.register_engine`). docs/rollout.md compares them."""
-    server: str | None = None
-    """`rollout.engine: server`: HOST:PORT of a running `grpokit rollout-server`."""
+    server: str | list[str] | None = None
+    """`rollout.engine: server`: HOST:PORT of a running `grpokit rollout-server`, or a list of them:
+    generation is spread over the servers by their measured speed, a server that fails is dropped
+    (its prompts go to the others) and taken back with the current weights once it answers again
+    (docs/rollout.md, "Several servers")."""
     server_timeout_s: float = Field(600.0, gt=0)
     """Longest wait for one rollout-server request (a generation, a weight update) and for its
     weight group to form."""
@@ -124,10 +127,16 @@ class RolloutConfig(_Section):
     def _address(cls, value):
         if value is not None:
             from grpokit.rollout.client import parse_address
-            try:
-                parse_address(value)
-            except ConfigError as exc:
-                raise ValueError(str(exc).removeprefix("rollout.server ")) from None
+            addresses = value if isinstance(value, list) else [value]
+            if not addresses:
+                raise ValueError("an empty list: give HOST:PORT of at least one rollout server")
+            for a in addresses:
+                try:
+                    parse_address(a)
+                except ConfigError as exc:
+                    raise ValueError(str(exc).removeprefix("rollout.server ")) from None
+            if len(set(addresses)) != len(addresses):
+                raise ValueError(f"a server is listed twice: {addresses}")
         return value
 
     dynamic_sampling: bool = False

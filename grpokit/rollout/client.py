@@ -143,6 +143,23 @@ class PendingRollout:
         return self.engine._batch(self.prompt_ids, self.params, self._out)
 
 
+def weight_parts(named_tensors, bucket_bytes: int):
+    """(tensors, bytes, last) parts of about `bucket_bytes` (0: one part) from `named_tensors`, taken
+    as it yields them: a part is handed on once the next tensor shows it is not the last, so at
+    most one part and one tensor are held."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named_tensors:
+        n = t.numel() * t.element_size()
+        if bucket and bucket_bytes > 0 and size + n > bucket_bytes:
+            yield bucket, size, False
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += n
+    if bucket:
+        yield bucket, size, True
+
+
 class ServerEngine:
     """Rollout engine client of a `grpokit rollout-server` at `address` ("HOST:PORT")."""
 
@@ -211,26 +228,23 @@ class ServerEngine:
                 self.barrier()                       # the sender's push is acknowledged by now
             self._await_version(version)
         else:
-            bucket: list[tuple[str, torch.Tensor]] = []
-            size = 0
-            for name, t in named_tensors:
-                if bucket and self.bucket_bytes > 0 and size + t.numel() * t.element_size() > self.bucket_bytes:
-                    self._send_part(bucket, version, parts, last=False)      # `t` follows: not the last part
-                    sent, parts, bucket, size = sent + size, parts + 1, [], 0
-                bucket.append((name, t))
-                size += t.numel() * t.element_size()
-            if not bucket:
+            for bucket, size, last in weight_parts(named_tensors, self.bucket_bytes):
+                self._send_part(bucket, version, parts, last=last)
+                sent, parts = sent + size, parts + 1
+            if not parts:
                 raise RolloutServerError(f"rollout server {self.http.address}: a weight update with no tensors")
-            self._send_part(bucket, version, parts, last=True)
-            sent, parts = sent + size, parts + 1
-            ack = self._check_instance(self.http.call("GET", "/version?wait=1"))
-            if ack.get("version") != version:
-                raise RolloutServerError(f"rollout server {self.http.address} acknowledged weights version "
-                                         f"{ack.get('version')}, not {version}")
+            self.acknowledge(version)
             if self.barrier is not None:
                 self.barrier()
         self.version = version
         self.last_sync = {"time/sync": time.perf_counter() - t0, "sync/mb": sent / 2**20, "sync/parts": float(parts)}
+
+    def acknowledge(self, version: int) -> None:
+        """Wait until the server has loaded the update just sent, which must be `version`."""
+        ack = self._check_instance(self.http.call("GET", "/version?wait=1"))
+        if ack.get("version") != version:
+            raise RolloutServerError(f"rollout server {self.http.address} acknowledged weights version "
+                                     f"{ack.get('version')}, not {version}")
 
     def _send_part(self, named: list, version: int, part: int, *, last: bool) -> None:
         body = {"version": version, "tensors": wire.describe(named)}

@@ -68,7 +68,8 @@ def _hf_copy(model, tokenizer, **options):
 @register_engine("server")
 def _server(model, tokenizer, rollout=None, sends_weights: bool = True, push: bool = True, **options):
     """Generation in a `grpokit rollout-server` process at `rollout.server` (HOST:PORT,
-    `grpokit.rollout.client.ServerEngine`); weights pushed over a torch.distributed group. The
+    `grpokit.rollout.client.ServerEngine`), or in several (a list: `grpokit.rollout.servers.ServerPool`);
+    weights pushed over a torch.distributed group each. The
     server starts from the policy's weights as they are now (version 0; LoRA merged), unless `push`
     is False (a data-parallel trainer pushes them from its workers, every rank taking part).
     `sends_weights`: False for the clients of a data-parallel job's other ranks."""
@@ -78,10 +79,15 @@ def _server(model, tokenizer, rollout=None, sends_weights: bool = True, push: bo
 
     if rollout is None or not rollout.server:
         raise ConfigError("rollout.engine=server needs rollout.server=HOST:PORT (a running `grpokit rollout-server`)")
-    engine = ServerEngine(rollout.server, tokenizer, device=next(model.parameters()).device,
-                          timeout_s=rollout.server_timeout_s, retries=rollout.server_retries,
-                          api_key=os.environ.get(rollout.server_api_key_env) or None, sends_weights=sends_weights,
-                          bucket_mb=rollout.sync_bucket_mb)
+    options = dict(device=next(model.parameters()).device, timeout_s=rollout.server_timeout_s,
+                   retries=rollout.server_retries, api_key=os.environ.get(rollout.server_api_key_env) or None,
+                   sends_weights=sends_weights, bucket_mb=rollout.sync_bucket_mb)
+    addresses = rollout.server if isinstance(rollout.server, list) else [rollout.server]
+    if len(addresses) > 1:                          # several servers: grpokit.rollout.servers
+        from grpokit.rollout.servers import ServerPool
+        engine = ServerPool(addresses, tokenizer, **options)
+    else:
+        engine = ServerEngine(addresses[0], tokenizer, **options)
     if push:
         weights = merged_state_dict(model) if is_peft(model) else model.state_dict()
         engine.update_weights(((n, t.detach()) for n, t in weights.items()), version=0)

@@ -80,9 +80,9 @@ class ServerProcess:
 
 
 @contextmanager
-def served(model_dir: Path, *, api_key: str | None = None, limits=None):
+def served(model_dir: Path, *, api_key: str | None = None, limits=None, port: int = 0):
     """(address, service, httpd): a rollout server over its own copy of `model_dir`, in a thread of
-    this process."""
+    this process (on `port`, or a free one)."""
     from grpokit.models import load_model, load_tokenizer
     from grpokit.rollout.hf import HFEngine
     from grpokit.rollout.server import RolloutService, make_server
@@ -92,7 +92,7 @@ def served(model_dir: Path, *, api_key: str | None = None, limits=None):
     service = RolloutService(HFEngine(model, load_tokenizer(model_dir), owns_weights=True), host="127.0.0.1",
                              backend="hf", model=str(model_dir), device="cpu", vocab_size=model.config.vocab_size,
                              limits=limits)
-    httpd = make_server(service, "127.0.0.1", 0, api_key=api_key)
+    httpd = make_server(service, "127.0.0.1", port, api_key=api_key)
     thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:
