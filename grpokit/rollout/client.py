@@ -120,27 +120,36 @@ class KeyRefused(RolloutServerError):
     """The server answered 401: the trainer's API key is missing or wrong."""
 
 
-class PendingRollout:
+class InThread:
+    """`fn(*args)` run in a daemon thread; `result()` waits for it and re-raises what it raised."""
+
+    def __init__(self, fn, *args, name: str = "rollout-request"):
+        self._out, self._exc = None, None
+        self._thread = threading.Thread(target=self._run, args=(fn, *args), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, fn, *args) -> None:
+        try:
+            self._out = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread by result()
+            self._exc = exc
+
+    def result(self):
+        self._thread.join()
+        if self._exc is not None:
+            raise self._exc
+        return self._out
+
+
+class PendingRollout(InThread):
     """A generation in flight; `result()` waits for it and checks the answer."""
 
     def __init__(self, engine: "ServerEngine", prompt_ids: list[list[int]], params: SamplingParams, body: dict):
         self.engine, self.prompt_ids, self.params = engine, prompt_ids, params
-        self._out: dict | None = None
-        self._exc: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(body,), name="rollout-request", daemon=True)
-        self._thread.start()
-
-    def _run(self, body: dict) -> None:
-        try:
-            self._out = self.engine.http.call("POST", "/generate", body)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread by result()
-            self._exc = exc
+        super().__init__(engine.http.call, "POST", "/generate", body)
 
     def result(self) -> RolloutBatch:
-        self._thread.join()
-        if self._exc is not None:
-            raise self._exc
-        return self.engine._batch(self.prompt_ids, self.params, self._out)
+        return self.engine._batch(self.prompt_ids, self.params, super().result())
 
 
 def weight_parts(named_tensors, bucket_bytes: int):

@@ -19,14 +19,13 @@ the barrier and then keep only the servers that hold the new version.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 import torch
 
 from grpokit.errors import ConfigError
 from grpokit.rollout.base import NonFiniteLogits, PromptStreams, RolloutBatch, SamplingParams, concat_batches
-from grpokit.rollout.client import KeyRefused, RolloutServerError, ServerEngine, weight_parts
+from grpokit.rollout.client import InThread, KeyRefused, RolloutServerError, ServerEngine, weight_parts
 
 log = logging.getLogger("grpokit.rollout")
 
@@ -128,12 +127,12 @@ class ServerPool:
         return concat_batches([done[s] for s in sorted(done)], self.pad_id)
 
     def submit(self, prompt_ids: list[list[int]], params: SamplingParams,
-               generator: torch.Generator | PromptStreams | None = None) -> "_Pending":
+               generator: torch.Generator | PromptStreams | None = None) -> InThread:
         """`generate` in the background (what `rollout.async` overlaps with the update)."""
         if isinstance(generator, torch.Generator):          # drawn now, in the caller's order
             generator = PromptStreams(torch.randint(0, 2**62, (len(prompt_ids),), generator=generator,
                                                     device=generator.device).tolist())
-        return _Pending(self.generate, prompt_ids, params, generator)
+        return InThread(self.generate, prompt_ids, params, generator, name="rollout-pool")
 
     # ---------------------------------------------------------------------------- weights
     def update_weights(self, named_tensors, version: int | None = None) -> None:
@@ -215,22 +214,3 @@ class ServerPool:
     def close(self) -> None:
         for a in self.live():
             self.clients[a].close()
-
-
-class _Pending:
-    def __init__(self, fn, *args):
-        self._out, self._exc = None, None
-        self._thread = threading.Thread(target=self._run, args=(fn, *args), name="rollout-pool", daemon=True)
-        self._thread.start()
-
-    def _run(self, fn, *args) -> None:
-        try:
-            self._out = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread by result()
-            self._exc = exc
-
-    def result(self) -> RolloutBatch:
-        self._thread.join()
-        if self._exc is not None:
-            raise self._exc
-        return self._out
