@@ -67,6 +67,10 @@ def check_config(cfg, world: int) -> None:
     if cfg.rollout.engine == "vllm":
         raise ConfigError("rollout.engine=vllm is not supported with train.distributed yet (each rank generates "
                           "with its own copy: use rollout.engine=hf, or a rollout server with rollout.engine=server)")
+    if cfg.rollout.engine == "hf_copy" and resolve_mode(cfg.train.distributed, world, cfg.lora) == "fsdp2":
+        raise ConfigError("rollout.engine=hf_copy does not run under train.distributed=fsdp2 (its copy of the "
+                          "policy would be a sharded module); use rollout.engine=hf (each rollout gathers the "
+                          "shards once), a rollout server, or train.distributed=ddp")
     if resolve_mode(cfg.train.distributed, world, cfg.lora) == "fsdp2" and (why := ddp_only(cfg.lora)):
         raise ConfigError(f"train.distributed=fsdp2 cannot shard a LoRA run with {why}; use train.distributed=ddp "
                           "(or auto): the frozen base is replicated and only the adapters' gradients are reduced")

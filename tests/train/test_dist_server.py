@@ -83,14 +83,15 @@ def test_two_ranks_with_a_server_train_as_in_process_and_resume_at_one(tmp_path,
 
 def test_two_machines_and_a_server_train_checkpoint_and_resume_on_one(tmp_path, inputs):
     """The multi-node path on this machine: two torchrun launchers (`--nnodes 2`, one process each,
-    c10d rendezvous on localhost) and a rollout server as a third process train 3 steps with a
-    sharded checkpoint every step; resumed from step 2 on one machine, step 3 repeats theirs."""
+    c10d rendezvous on localhost) and a rollout server as a third process train 3 DDP steps (the
+    other tests here shard with FSDP2) with a checkpoint every step; resumed from step 2 on one
+    machine, step 3 repeats theirs."""
     _, model_dir, train, _ = inputs
     with ServerProcess(model_dir, tmp_path / "server.log") as srv:
         def argv(run_dir, *extra):
             return torchrun.program("train_parity", run_dir.with_name(run_dir.name + "_out"), "train", *small_overrides(
                 model_dir, train, run_dir, **{"rewards": "[{name: digit_parity}]", "optim.lr": 5e-2,
-                "train.distributed": "fsdp2", "train.dist_timeout_s": 60, "train.check_rewards": "false",
+                "train.distributed": "ddp", "train.dist_timeout_s": 60, "train.check_rewards": "false",
                 "train.batch_advice": "false", "rollout.engine": "server", "rollout.server": srv.address,
                 "rollout.server_timeout_s": 60, "train.steps": 3}), *extra)
         run = tmp_path / "nodes"
@@ -100,7 +101,7 @@ def test_two_machines_and_a_server_train_checkpoint_and_resume_on_one(tmp_path, 
         assert [r["step"] for r in rows] == [1, 2, 3]
         assert request(srv.address, "GET", "/version")[1]["version"] == 3
         ck = run / "checkpoints" / "step_000002"
-        assert len(list((ck / "dcp").glob("*.distcp"))) == 2             # one shard file per machine's rank
+        assert list(ck.glob("*.safetensors"))                            # DDP: the full copy, written by rank 0
         resumed = tmp_path / "one"
         (resumed / "checkpoints").mkdir(parents=True)
         shutil.copytree(ck, resumed / "checkpoints" / "step_000002")

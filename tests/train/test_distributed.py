@@ -59,6 +59,12 @@ def test_auto_takes_ddp_for_lora_that_fsdp2_cannot_shard():
         distributed.check_config(load_config(None, ["lora.enabled=true", "train.distributed=ddp", *over]), 2)
 
 
+def test_an_engine_copy_of_a_sharded_policy_is_refused_with_the_way_out():
+    with pytest.raises(ConfigError, match="hf_copy does not run under train.distributed=fsdp2.*rollout.engine=hf"):
+        distributed.check_config(load_config(None, ["rollout.engine=hf_copy"]), 2)          # auto: fsdp2
+    distributed.check_config(load_config(None, ["rollout.engine=hf_copy", "train.distributed=ddp"]), 2)
+
+
 def test_single_process_never_joins_a_process_group(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert distributed.init(load_config(None, [])) is None
