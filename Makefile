@@ -40,8 +40,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	@touch $(STAMP)
 
+# --durations: the slowest tests named at the end of every run (the suite keeps under 15 minutes)
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not distributed" tests
