@@ -125,6 +125,7 @@ class InThread:
 
     def __init__(self, fn, *args, name: str = "rollout-request"):
         self._out, self._exc = None, None
+        self.done_at: float | None = None     # perf_counter() when `fn` returned or raised
         self._thread = threading.Thread(target=self._run, args=(fn, *args), name=name, daemon=True)
         self._thread.start()
 
@@ -133,6 +134,8 @@ class InThread:
             self._out = fn(*args)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread by result()
             self._exc = exc
+        finally:
+            self.done_at = time.perf_counter()
 
     def result(self):
         self._thread.join()

@@ -121,7 +121,7 @@ class ServerPool:
                         self._drop(a, exc)
                     todo.append((s, e))
                     continue
-                r = (e - s) * params.n / max(time.perf_counter() - t0, 1e-6)
+                r = (e - s) * params.n / max(job.done_at - t0, 1e-6)     # its own time, not the wait
                 self.rate[a] = (1 - self.RATE_EMA) * self.rate[a] + self.RATE_EMA * r if a in self.measured else r
                 self.measured.add(a)
         return concat_batches([done[s] for s in sorted(done)], self.pad_id)

@@ -115,18 +115,18 @@ def test_two_machines_and_a_server_train_checkpoint_and_resume_on_one(tmp_path, 
 
 
 @pytest.fixture(scope="module")
-def demo_inputs(tmp_path_factory):
-    """The embedded demo's warm-started model (its supervised warm start, about a minute) and files."""
-    from grpokit.demo import DemoSettings, warm_start
+def demo_inputs(tmp_path_factory, demo_warm_dir):
+    """The embedded demo's warm-started model (the session's, tests/conftest.py; read only here) and
+    its task's files."""
+    from grpokit.demo import DemoSettings
     from grpokit.tasks.arithmetic import ArithmeticTask
 
     root = tmp_path_factory.mktemp("demo")
     s = DemoSettings()
     task = ArithmeticTask(seed=s.seed, carry_frac=s.carry_frac, teacher_correct=s.teacher_correct, heldout=s.heldout)
-    warm = warm_start(s, task, root, lambda *a: None)
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in task.train_rows(4000, s.seed + 7)))
     (root / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in task.heldout_rows()))
-    return root, warm
+    return root, demo_warm_dir
 
 
 def test_two_processes_with_a_server_one_step_off_policy_teach_the_demo_task(tmp_path, demo_inputs):
