@@ -134,7 +134,7 @@ class Step:
         m["time/update"] = time.perf_counter() - t
         drift = self.ref_probe.check(self.worker, batch, step_idx) if self.ref_probe is not None else None
         self._after_update(upd.pop("guard/causes"), int(upd.pop("guard/updates_skipped")), step_idx)
-        m.update(sync_weights(self.engine, self.worker, step_idx + 1))      # 7 (after a rollback, too)
+        m.update(sync_weights(self.engine, self.worker, step_idx + 1) or {})  # 7 (after a rollback, too)
         if kl_in_reward is not None:                 # no KL term in the loss: kl/ref is the reward's k1
             upd.update(kl_in_reward)
         if self.entropy_ctl is not None:              # the next update's bonus (grpokit.algo.entropy)
