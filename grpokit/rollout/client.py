@@ -201,6 +201,7 @@ class ServerEngine:
                               "with `grpokit rollout-server --model PATH --port PORT`") from None
         self.instance, self.version = health.get("instance"), health.get("version")
         self.vocab_size = health.get("vocab_size")
+        self.optional = set(health.get("optional_weights") or [])   # not sent: a tied LM head
         if not isinstance(self.instance, str) or not isinstance(self.version, int):
             raise RolloutServerError(f"rollout server {address}: malformed /health answer")
         if self.vocab_size is not None and len(tokenizer) > self.vocab_size:
@@ -240,7 +241,8 @@ class ServerEngine:
                 self.barrier()                       # the sender's push is acknowledged by now
             self._await_version(version)
         else:
-            for bucket, size, last in weight_parts(named_tensors, self.bucket_bytes):
+            needed = ((n, t) for n, t in named_tensors if n not in self.optional)
+            for bucket, size, last in weight_parts(needed, self.bucket_bytes):
                 self._send_part(bucket, version, parts, last=last)
                 sent, parts = sent + size, parts + 1
             if not parts:

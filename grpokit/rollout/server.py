@@ -99,8 +99,17 @@ class RolloutService:
     # ----------------------------------------------------------------------------- requests
     def health(self, http_counts: dict | None = None) -> dict:
         return {"status": "ok", "instance": self.instance, "version": self.version,
-                "group": self.group is not None, **self.info,
+                "group": self.group is not None, **self.info, "optional_weights": self._optional_weights(),
                 "requests": {**self.counts, **(http_counts or {})}, "limits": dataclasses.asdict(self.limits)}
+
+    def _optional_weights(self) -> list[str]:
+        """Tensors an update may leave out (a tied LM head, which is the embedding): a trainer does
+        not send them."""
+        expected = getattr(self.engine, "expected_weights", None)
+        if expected is None:
+            return []
+        shapes, required = expected()
+        return sorted(set(shapes) - set(required))
 
     def _generate(self, handler, query) -> dict:
         req = _parse(wire.GenerateRequest, handler.read_json(), "generate request")

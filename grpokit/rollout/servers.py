@@ -149,7 +149,9 @@ class ServerPool:
             targets = self.live()
             if not targets:
                 raise self._none_left()
-            for bucket, size, last in weight_parts(named_tensors, int(self.options.get("bucket_mb", 512.0) * 2**20)):
+            optional = set.intersection(*(self.clients[a].optional for a in targets))
+            needed = ((n, t) for n, t in named_tensors if n not in optional)     # a tied LM head: not sent
+            for bucket, size, last in weight_parts(needed, int(self.options.get("bucket_mb", 512.0) * 2**20)):
                 for a in list(targets):
                     try:
                         self.clients[a]._send_part(bucket, version, parts, last=last)

@@ -148,11 +148,16 @@ def test_a_trainer_syncs_a_server_in_parts_every_step(setup):
     with served(model_dir) as (address, service, _):
         tr = varied_trainer(setup, "parts", **{"rollout.engine": "server", "rollout.server": address,
                                                "rollout.server_timeout_s": 60, "rollout.sync_bucket_mb": 0.05})
+        exported = dict(tr.worker.export_weights())
+        tied = tr.model.config.tie_word_embeddings
+        assert tied and "lm_head.weight" in exported                  # the export names the head ...
+        params = sum(t.numel() * t.element_size() for n, t in exported.items() if n != "lm_head.weight")
         for _ in range(2):
             m = tr.step()
             tr.step_idx += 1
             assert service.version == tr.step_idx
             assert m["sync/parts"] > 1 and m["time/sync"] > 0
+            assert m["sync/mb"] == pytest.approx(params / 2**20)       # ... which is the embedding: not sent
         assert tr.engine.checksums() == {n: tensor_checksum(t) for n, t in tr.worker.export_weights()}
         tr.engine.close()
 
