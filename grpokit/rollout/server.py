@@ -259,7 +259,7 @@ class RolloutService:
                     with self.engine_lock:
                         if whole:
                             self.engine.update_weights(named, version=req.version)
-                            self.version, self.broken = req.version, None
+                            self.version, self.broken, self.partial = req.version, None, None   # any parts before: superseded
                         else:
                             self.engine.load_part(named)
                             self._part_loaded(req)

@@ -75,6 +75,14 @@ def test_generation_waits_out_an_update_in_parts_and_an_abandoned_one_is_refused
             "version": 1, "part": 1, "last": True, "tensors": [{"name": names[0], "dtype": "float32",
                                                                  "shape": list(new[names[0]].shape)}]})
         assert status == 400 and "repeats a tensor" in body["error"]
+        # a whole update supersedes the parts under way
+        engine.bucket_bytes = 0
+        engine.update_weights(new.items(), version=5)
+        status, body, _ = request(address, "POST", "/generate", gen)
+        assert status == 200 and body["weights_version"] == 5 and service.partial is None
+        engine.bucket_bytes = 512 * 2**20
+        engine._send_part(first, version=6, part=0, last=False)
+        engine.http.call("GET", "/version?wait=1")
         # the trainer went away between parts: past the deadline the weights are a mix, refused
         service.partial["deadline"] = 0.0
         status, body, _ = request(address, "POST", "/generate", gen)
