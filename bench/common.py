@@ -7,8 +7,13 @@ where grpokit is not installed), so it depends on the standard library only.
 from __future__ import annotations
 
 import os
+import re
 import resource
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 # ---------------------------------------------------------------------------------------- workload
 # BENCH_PROMPTS: fewer prompts per step (same G) for a short run on a loaded machine; the table
@@ -214,3 +219,38 @@ def serve(step_fn, ready: dict) -> None:
         elif cmd == "quit":
             break
     say({"done": {"peak_rss_mb": peak_rss_mb()}})
+
+
+def start_rollout_server(model_dir, log_path, *, device: str = "cpu", threads: int | None = None,
+                         timeout_s: float = 600.0) -> tuple[subprocess.Popen, str]:
+    """A `grpokit rollout-server` process on a free port: (process, "HOST:PORT"), read from its log.
+    The caller kills it. Runs the project's interpreter with the repository on the path."""
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": repo, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    log_path = Path(log_path)
+    proc = subprocess.Popen([sys.executable, "-m", "grpokit.cli", "rollout-server", "--model", str(model_dir),
+                             "--port", "0", "--device", device], stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                            cwd=repo, env=env)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        m = re.search(r"listening on (\S+:\d+)", log_path.read_text())
+        if m:
+            return proc, m.group(1)
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"the rollout server did not start: {log_path.read_text()[-2000:]}")
+
+
+def timed(state: dict, name: str, fn, after=None):
+    """`fn` wrapped to add its seconds to `state[name]` (and hand its result to `after`): how both TRL
+    sides time the trainer's own methods."""
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        out = fn(*a, **k)
+        state[name] += time.perf_counter() - t
+        if after:
+            after(out)
+        return out
+    return wrapper

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -36,6 +34,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+import common  # noqa: E402
 
 SIZES = {"tiny": dict(hidden=64, layers=2, heads=4, intermediate=128),
          "qwen05b": dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864)}
@@ -105,22 +105,6 @@ def summarise(rows: list[dict], trajectories: int) -> dict:
             "sync_mb": mean("sync/mb")}
 
 
-def start_server(model_dir: Path, device: str, log: Path) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "grpokit.cli", "rollout-server", "--model", str(model_dir),
-                             "--port", "0", "--device", device], stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        m = re.search(r"listening on (\S+:\d+)", log.read_text())
-        if m:
-            return proc, m.group(1)
-        if proc.poll() is not None:
-            raise RuntimeError(f"the rollout server exited: {log.read_text()[-1500:]}")
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("the rollout server did not start within 600 s")
-
-
 def run_grpokit(layout: str, args, model_dir: Path, data: Path, root: Path) -> dict:
     from grpokit.cli import main as grpokit_main
 
@@ -129,7 +113,7 @@ def run_grpokit(layout: str, args, model_dir: Path, data: Path, root: Path) -> d
     try:
         extra = []
         if layout == "server":
-            server, address = start_server(model_dir, args.device, root / "server.log")
+            server, address = common.start_rollout_server(model_dir, root / "server.log", device=args.device)
             extra = [f"rollout.server={address}"]
         t0 = time.perf_counter()
         code = grpokit_main(["train", *overrides(args, model_dir, data, run_dir, layout, extra)])

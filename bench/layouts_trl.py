@@ -13,8 +13,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 
 
 def main() -> None:
@@ -62,19 +67,9 @@ def main() -> None:
     trainer = GRPOTrainer(model=model, reward_funcs=[exact], args=cfg, train_dataset=Dataset.from_list(rows),
                           processing_class=tok, callbacks=[Phase()])
 
-    def timed(name, fn, after=None):
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            out = fn(*a, **k)
-            state[name] += time.perf_counter() - t
-            if after:
-                after(out)
-            return out
-        return wrapper
-
-    trainer._generate = timed("gen", trainer._generate, lambda out: state["clens"].extend(len(c) for c in out[1]))
+    trainer._generate = common.timed(state, "gen", trainer._generate, lambda out: state["clens"].extend(len(c) for c in out[1]))
     if hasattr(trainer, "_move_model_to_vllm"):
-        trainer._move_model_to_vllm = timed("sync", trainer._move_model_to_vllm)
+        trainer._move_model_to_vllm = common.timed(state, "sync", trainer._move_model_to_vllm)
     trainer.train()
     steps = state["steps"][1:] or state["steps"]
 

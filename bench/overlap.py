@@ -16,33 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import common  # noqa: E402  (bench/common.py)
 DOCS = ROOT / "docs" / "rollout.md"
 BEGIN, END = "<!-- overlap:begin -->", "<!-- overlap:end -->"
-
-
-def start_server(model_dir: Path, log_path: Path, threads: int) -> tuple[subprocess.Popen, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "grpokit.cli", "rollout-server", "--model", str(model_dir),
-                             "--port", "0", "--device", "cpu"], stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        m = re.search(r"listening on (\S+:\d+)", log_path.read_text())
-        if m:
-            return proc, m.group(1)
-        if proc.poll() is not None:
-            break
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit(f"the rollout server did not start: {log_path.read_text()[-2000:]}")
 
 
 def run_mode(address: str, warm: Path, data: Path, work: Path, *, asynchronous: bool, steps: int, seed: int) -> dict:
@@ -101,7 +84,7 @@ def main() -> None:
     warm = warm_start(s, task, work, say=print)
     data = work / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in task.train_rows(20000, args.seed + 7)))
-    proc, address = start_server(warm, work / "server.log", args.threads)
+    proc, address = common.start_rollout_server(warm, work / "server.log", threads=args.threads)
     try:
         results = [run_mode(address, warm, data, work, asynchronous=a, steps=args.steps, seed=args.seed)
                    for a in (False, True)]

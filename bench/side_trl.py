@@ -104,25 +104,15 @@ def main() -> None:
                           args=cfg, train_dataset=Dataset.from_list(rows), processing_class=tok, callbacks=[Phase()],
                           **({"tools": [common.calculator]} if args.agent else {}))
 
-    def timed(name, fn, after=None):
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            out = fn(*a, **k)
-            state[name] += time.perf_counter() - t
-            if after:
-                after(out)
-            return out
-        return wrapper
-
     def lens(out):
         prompt_ids, completion_ids, tool_mask = out[0], out[1], out[2]
         state["plens"] += [len(p) for p in prompt_ids]
         # with tools, the tokens the policy sampled (tool_mask 1), tool results not counted
         state["clens"] += ([sum(m) for m in tool_mask] if tool_mask is not None else [len(c) for c in completion_ids])
 
-    trainer._generate = timed("gen", trainer._generate, lens)
-    trainer._calculate_rewards = timed("reward", trainer._calculate_rewards)
-    trainer._generate_and_score_completions = timed("prep", trainer._generate_and_score_completions)
+    trainer._generate = common.timed(state, "gen", trainer._generate, lens)
+    trainer._calculate_rewards = common.timed(state, "reward", trainer._calculate_rewards)
+    trainer._generate_and_score_completions = common.timed(state, "prep", trainer._generate_and_score_completions)
     trainer.train()
     for line in sys.stdin:
         if line.strip() == "quit":
