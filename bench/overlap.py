@@ -1,6 +1,6 @@
 """On-policy vs one-step-off-policy (`rollout.async`) step time on the demo task, in one run.
 
-    .venv/bin/python bench/overlap.py [--steps 20] [--threads 1] [--docs]
+    .venv/bin/python bench/overlap.py [--steps 20] [--threads 1] [--nproc 1] [--docs]
 
 Builds (or reuses) the demo's warm-started model under --work, starts one `grpokit rollout-server`
 (HF backend) in a child process, then trains the demo configuration with `rollout.engine: server`
@@ -9,6 +9,11 @@ step and then --steps steps; the figure is the wall time between consecutive ste
 length is made of), median and mean, and the ratio on-policy / async. The trainer and the server
 each get --threads torch threads (on a 2-core machine, one core each). Nothing is downloaded.
 `--docs` writes the table into docs/rollout.md.
+
+`--nproc N`: the trainer is a torchrun job of N ranks (FSDP2, one thread each) instead, every rank
+sending its own groups to the one server; the figure is then each step's `time/step` from the
+run's metrics (the slowest rank's), median and mean after the warm-up step. `--docs` then writes
+the table into docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import common  # noqa: E402  (bench/common.py)
 DOCS = ROOT / "docs" / "rollout.md"
+DOCS_DIST = ROOT / "docs" / "distributed.md"
 BEGIN, END = "<!-- overlap:begin -->", "<!-- overlap:end -->"
 
 
@@ -62,13 +68,45 @@ def run_mode(address: str, warm: Path, data: Path, work: Path, *, asynchronous: 
             "reward_mean_last5": statistics.fmean(r["reward/mean"] for r in rows[-5:])}
 
 
+def run_mode_ranks(nproc: int, address: str, warm: Path, data: Path, work: Path, *, asynchronous: bool,
+                   steps: int, seed: int) -> dict:
+    """The same configuration as a torchrun job of `nproc` ranks; step times from its metrics."""
+    import subprocess
+
+    from grpokit.train.distributed import free_port
+
+    name = "async" if asynchronous else "on_policy"
+    run_dir = work / f"{name}-{nproc}ranks"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+            "127.0.0.1", "--master-port", str(free_port()), "-m", "grpokit", "train", "demo",
+            f"model.path={warm}", f"data.path={data}", f"train.run_dir={run_dir}", f"train.steps={steps + 1}",
+            f"train.seed={seed}", "train.save_every=0", "train.save_every_minutes=0", "train.sample_every=0",
+            "train.progress=false", "train.check_rewards=false", "train.eval_every=0", "rollout.engine=server",
+            f"rollout.server={address}", f"rollout.async={str(asynchronous).lower()}", "data.eval_split=0",
+            "algorithm.kl.beta=0", "algorithm.kl.measure_every=0", "train.dist_timeout_s=300"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise SystemExit(f"the {name} run failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "time/step" in r][1:]                # after the warm-up step
+    times = [r["time/step"] for r in rows]
+    return {"mode": name, "steps": len(times), "step_s_median": statistics.median(times),
+            "step_s_mean": statistics.fmean(times),
+            "rollout_wait_s_mean": statistics.fmean(r["time/rollout"] for r in rows),
+            "update_s_mean": statistics.fmean(r["time/update"] for r in rows),
+            "staleness": sorted({r.get("rollout/staleness") for r in rows}),
+            "reward_mean_last5": statistics.fmean(r["reward/mean"] for r in rows[-5:])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20, help="measured steps per mode (after one warm-up step)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for the trainer and for the server")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", default=str(ROOT / "runs" / "bench-overlap"))
-    ap.add_argument("--docs", action="store_true", help="write the table into docs/rollout.md")
+    ap.add_argument("--nproc", type=int, default=1, help="trainer ranks (torchrun, FSDP2) sharing the server")
+    ap.add_argument("--docs", action="store_true", help="write the table into docs/rollout.md (--nproc > 1: distributed.md)")
     args = ap.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     import torch
@@ -86,8 +124,12 @@ def main() -> None:
     data.write_text("".join(json.dumps(r) + "\n" for r in task.train_rows(20000, args.seed + 7)))
     proc, address = common.start_rollout_server(warm, work / "server.log", threads=args.threads)
     try:
-        results = [run_mode(address, warm, data, work, asynchronous=a, steps=args.steps, seed=args.seed)
-                   for a in (False, True)]
+        if args.nproc > 1:
+            results = [run_mode_ranks(args.nproc, address, warm, data, work, asynchronous=a, steps=args.steps,
+                                      seed=args.seed) for a in (False, True)]
+        else:
+            results = [run_mode(address, warm, data, work, asynchronous=a, steps=args.steps, seed=args.seed)
+                       for a in (False, True)]
     finally:
         proc.kill()
         proc.wait(timeout=30)
@@ -95,9 +137,9 @@ def main() -> None:
     ratio = on["step_s_median"] / off["step_s_median"]
     out = {"results": results, "ratio_on_policy_over_async_median": ratio,
            "ratio_on_policy_over_async_mean": on["step_s_mean"] / off["step_s_mean"],
-           "threads": args.threads, "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+           "threads": args.threads, "nproc": args.nproc, "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     print(json.dumps(out, indent=2))
-    (work / "overlap.json").write_text(json.dumps(out, indent=2))
+    (work / f"overlap{'-%dranks' % args.nproc if args.nproc > 1 else ''}.json").write_text(json.dumps(out, indent=2))
     if args.docs:
         table = ["| mode | step time, median (s) | mean (s) | rollout wait, mean (s) | update, mean (s) | staleness |",
                  "|---|---|---|---|---|---|"]
@@ -105,12 +147,16 @@ def main() -> None:
             table.append(f"| {r['mode'].replace('_', '-')} | {r['step_s_median']:.3f} | {r['step_s_mean']:.3f} | "
                          f"{r['rollout_wait_s_mean']:.3f} | {r['update_s_mean']:.3f} | {r['staleness']} |")
         table.append("")
+        who = (f"{args.nproc} trainer ranks (FSDP2) with one thread each and the server with {args.threads}"
+               if args.nproc > 1 else f"{args.threads} torch thread(s) for the trainer and for the server")
+        flags = f" --nproc {args.nproc}" if args.nproc > 1 else ""
         table.append(f"On-policy / async step time: **{ratio:.2f}x** (median; mean {out['ratio_on_policy_over_async_mean']:.2f}x); "
-                     f"{args.steps} steps per mode after one warm-up, {args.threads} torch thread(s) for the trainer and "
-                     f"for the server, {out['cpus']} CPUs, {out['date']} (`python bench/overlap.py --steps {args.steps}`).")
-        text = DOCS.read_text()
+                     f"{args.steps} steps per mode after one warm-up, {who}, {out['cpus']} CPUs, {out['date']} "
+                     f"(`python bench/overlap.py --steps {args.steps}{flags}`).")
+        docs = DOCS_DIST if args.nproc > 1 else DOCS
+        text = docs.read_text()
         i, j = text.index(BEGIN) + len(BEGIN), text.index(END)
-        DOCS.write_text(text[:i] + "\n" + "\n".join(table) + "\n" + text[j:])
+        docs.write_text(text[:i] + "\n" + "\n".join(table) + "\n" + text[j:])
 
 
 if __name__ == "__main__":

@@ -92,6 +92,10 @@ class RolloutConfig(_Section):
     as the trainer produces it (a sharded trainer gathers one tensor at a time), so the trainer
     never holds more than one part beyond its own weights. 0: the whole model in one part (a
     `--backend vllm` server takes only that). Logged per sync: `time/sync`, `sync/mb`, `sync/parts`."""
+    sync_adapters: bool = True
+    """With LoRA, send a rollout server the adapters alone after each step (its HF backend folds
+    them into the base weights, sent once, first: docs/rollout.md, "LoRA runs send adapters") rather
+    than the merged model. False, or a server that cannot (`--backend vllm`): the merged model."""
     async_: bool = Field(False, alias="async")
     """`rollout.async`: one-step-off-policy overlap. The engine generates the next batch with the
     current weights while the trainer updates on this one, so every batch after the first is one

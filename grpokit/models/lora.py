@@ -183,10 +183,11 @@ def _dequantized(weight) -> torch.Tensor:
 
 
 @torch.no_grad()
-def merged_state_dict(model) -> dict[str, torch.Tensor]:
+def merged_state_dict(model, *, adapters: bool = True) -> dict[str, torch.Tensor]:
     """The base model's state dict, on the CPU, with every adapter folded in: W + scaling * B @ A
     (4-bit weights dequantized first, one layer at a time). The live model is not modified, so the
-    adapter-off reference stays exact."""
+    adapter-off reference stays exact. `adapters=False`: the base weights alone (dequantized), what
+    a rollout server that takes adapters folds them into (`adapter_update`)."""
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
@@ -197,7 +198,7 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
             lora_prefixes.add(name)
             layer = module.get_base_layer()
             w = _dequantized(layer.weight)
-            for ad in module.active_adapters:
+            for ad in module.active_adapters if adapters else ():
                 if ad in module.lora_A:
                     delta = module.get_delta_weight(ad)           # [out, in], scaling included
                     w = w + delta.to(w.dtype)
@@ -216,6 +217,40 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
         out.pop("lm_head.weight", None)                          # tied: saved once, as the embedding
     return {k: v.contiguous() for k, v in out.items()}
 
+
+@torch.no_grad()
+def adapter_update(model) -> tuple[list[tuple[str, torch.Tensor]], dict[str, dict]] | None:
+    """The adapters alone, as a rollout server that takes them folds them in
+    (grpokit.rollout.adapters): per adapted layer `NAME.lora_A` [r, in] and `NAME.lora_B` [out, r]
+    (CPU copies, Hugging Face module names) and its spec: scale (alpha / r), fan_in_fan_out, and
+    whether peft computes the delta through float32 (half-precision adapters on the CPU). None when
+    the model's adapters are not plain low-rank products (DoRA, a LoRA bias, several active
+    adapters, a layer type other than a linear one): those go merged."""
+    from peft.tuners.lora import Linear, LoraLayer
+
+    kinds: tuple = (Linear,)
+    try:                                          # 4- and 8-bit layers: where bitsandbytes is installed
+        from peft.tuners.lora import bnb as lora_bnb
+        kinds += tuple(getattr(lora_bnb, k) for k in ("Linear4bit", "Linear8bitLt") if hasattr(lora_bnb, k))
+    except ImportError:
+        pass
+    tensors: list[tuple[str, torch.Tensor]] = []
+    specs: dict[str, dict] = {}
+    for name, module in model.get_base_model().named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        active = [a for a in module.active_adapters if a in module.lora_A]
+        if not active:
+            continue
+        ad = active[0]
+        if (not isinstance(module, kinds) or len(active) > 1 or module.use_dora.get(ad)
+                or getattr(module, "lora_bias", {}).get(ad)):
+            return None
+        A, B = module.lora_A[ad].weight, module.lora_B[ad].weight
+        tensors += [(f"{name}.lora_A", A.detach().to("cpu", copy=True)), (f"{name}.lora_B", B.detach().to("cpu", copy=True))]
+        specs[name] = {"scale": float(module.scaling[ad]), "fan_in_fan_out": bool(getattr(module, "fan_in_fan_out", False)),
+                       "fp32": type(module) is Linear and B.device.type == "cpu" and B.dtype in (torch.float16, torch.bfloat16)}
+    return (tensors, specs) if specs else None
 
 
 def merged_copy(model):

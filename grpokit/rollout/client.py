@@ -179,11 +179,13 @@ class ServerEngine:
 
     def __init__(self, address: str, tokenizer, *, device: torch.device | str = "cpu", timeout_s: float = 600.0,
                  retries: int = 3, api_key: str | None = None, sends_weights: bool = True,
-                 bucket_mb: float = 512.0):
+                 bucket_mb: float = 512.0, adapters: bool = True):
         """`sends_weights`: this client joins the server's weight group and pushes the weights (one
         client per server does: rank 0 of a data-parallel job); the others only wait, after each
         update, until the server has loaded it. `bucket_mb`: weights go in parts of about this
-        size (0: one part), so the trainer never holds more than one part beyond its own tensors."""
+        size (0: one part), so the trainer never holds more than one part beyond its own tensors.
+        `adapters`: a LoRA run sends its adapters alone when the server can fold them in
+        (`update_adapters`; the base goes once, first)."""
         self.http = _Http(address, timeout_s, retries, api_key)
         self.sends_weights, self.bucket_bytes = sends_weights, int(bucket_mb * 2**20)
         self.last_sync: dict[str, float] = {}
@@ -202,6 +204,8 @@ class ServerEngine:
         self.instance, self.version = health.get("instance"), health.get("version")
         self.vocab_size = health.get("vocab_size")
         self.optional = set(health.get("optional_weights") or [])   # not sent: a tied LM head
+        self.takes_adapters = adapters and bool(health.get("adapters"))
+        self.base_sent = False                 # a LoRA run's base weights reached this server instance
         if not isinstance(self.instance, str) or not isinstance(self.version, int):
             raise RolloutServerError(f"rollout server {address}: malformed /health answer")
         if self.vocab_size is not None and len(tokenizer) > self.vocab_size:
@@ -248,6 +252,44 @@ class ServerEngine:
             if not parts:
                 raise RolloutServerError(f"rollout server {self.http.address}: a weight update with no tensors")
             self.acknowledge(version)
+            self.base_sent = False                # the server's weights are no LoRA base now
+            if self.barrier is not None:
+                self.barrier()
+        self.version = version
+        self.last_sync = {"time/sync": time.perf_counter() - t0, "sync/mb": sent / 2**20, "sync/parts": float(parts)}
+
+    def needs_base(self) -> bool:
+        """Whether the next adapter update must send the base weights first (a sender that has not
+        sent them to this server yet)."""
+        return self.sends_weights and not self.base_sent
+
+    def update_adapters(self, adapters: list, specs: dict[str, dict], base=None, version: int | None = None) -> None:
+        """Push a LoRA run's adapters as `version` (grpokit.rollout.adapters) and wait for the
+        acknowledgement. `base`: the base weights (an iterator, as `update_weights` takes them), sent
+        first in parts when given; the adapters are then the update's last part. Every rank passes
+        the same `base` (None or not: under FSDP2 its gathers are collective)."""
+        version = self.version + 1 if version is None else int(version)
+        t0, sent, parts = time.perf_counter(), 0, 0
+        self._check_instance(self.http.call("GET", "/version"))
+        if not self.sends_weights:
+            for _ in base or ():
+                pass
+            if self.barrier is not None:
+                self.barrier()
+            self._await_version(version)
+        else:
+            if base is not None:
+                needed = ((n, t) for n, t in base if n not in self.optional)
+                for bucket, size, _ in weight_parts(needed, self.bucket_bytes):
+                    self._send_part(bucket, version, parts, last=False, base=True)
+                    sent, parts = sent + size, parts + 1
+            elif not self.base_sent:
+                raise RolloutServerError(f"rollout server {self.http.address}: adapters need the base weights first")
+            self._send_part(adapters, version, parts, last=True, base=base is not None, adapters=specs)
+            sent += sum(t.numel() * t.element_size() for _, t in adapters)
+            parts += 1
+            self.acknowledge(version)
+            self.base_sent = True
             if self.barrier is not None:
                 self.barrier()
         self.version = version
@@ -260,10 +302,15 @@ class ServerEngine:
             raise RolloutServerError(f"rollout server {self.http.address} acknowledged weights version "
                                      f"{ack.get('version')}, not {version}")
 
-    def _send_part(self, named: list, version: int, part: int, *, last: bool) -> None:
+    def _send_part(self, named: list, version: int, part: int, *, last: bool, base: bool = False,
+                   adapters: dict[str, dict] | None = None) -> None:
         body = {"version": version, "tensors": wire.describe(named)}
         if not (part == 0 and last):
             body.update(part=part, last=last)
+        if base:
+            body["base"] = True
+        if adapters is not None:
+            body["adapters"] = adapters
         self.http.call("POST", "/update_weights", body, tries=1)
         try:
             self.group.send([t for _, t in named])

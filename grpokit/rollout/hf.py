@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from grpokit.gemm import fast_linears
+from grpokit.rollout.adapters import AdapterMerger, check_adapters
 from grpokit.rollout.base import (GenerationCancelled, PromptStreams, RolloutBatch, SamplingParams, check_weights,
                                   sample_next)
 from grpokit.rollout.decoder import LeanDecoder
@@ -47,6 +48,7 @@ class HFEngine:
         self.lean = lean
         self.owns_weights = owns_weights
         self.weights_version = 0
+        self._adapters = AdapterMerger()      # the base of layers that took LoRA adapters (load_adapters)
         self.tokenizer = tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         eos = tokenizer.eos_token_id
@@ -70,6 +72,7 @@ class HFEngine:
         check_weights(((n, t.shape) for n, t in given), *self.expected_weights())
         for name, t in given:
             state[name].copy_(t)
+        self._adapters.forget()
         self.weights_version = self.weights_version + 1 if version is None else version
 
     def load_part(self, named_tensors) -> None:
@@ -80,6 +83,16 @@ class HFEngine:
         check_weights(((n, t.shape) for n, t in given), *self.expected_weights()[:1], set())
         for name, t in given:
             state[name].copy_(t)
+        self._adapters.forget()
+
+    @torch.no_grad()
+    def load_adapters(self, named_tensors, specs: dict[str, dict]) -> None:
+        """Fold LoRA adapters into the weights (grpokit.rollout.adapters): each adapted layer's weight
+        becomes its base (its weight when it first took adapters since the last full load) plus
+        scale * B @ A. Checked whole before any layer changes."""
+        given = dict(named_tensors)
+        check_adapters(((n, t.shape) for n, t in given.items()), specs, self.expected_weights()[0])
+        self._adapters.apply(self.model.state_dict(), given, specs)
 
     def expected_weights(self) -> tuple[dict[str, tuple[int, ...]], set[str]]:
         """(shape of every tensor `update_weights` takes, the names it must be given: every

@@ -75,20 +75,24 @@ def _server(model, tokenizer, rollout=None, sends_weights: bool = True, push: bo
     `sends_weights`: False for the clients of a data-parallel job's other ranks."""
     from grpokit.errors import ConfigError
     from grpokit.rollout.client import ServerEngine
-    from grpokit.models.lora import is_peft, merged_state_dict
+    from grpokit.models.lora import adapter_update, is_peft, merged_state_dict
 
     if rollout is None or not rollout.server:
         raise ConfigError("rollout.engine=server needs rollout.server=HOST:PORT (a running `grpokit rollout-server`)")
     options = dict(device=next(model.parameters()).device, timeout_s=rollout.server_timeout_s,
                    retries=rollout.server_retries, api_key=os.environ.get(rollout.server_api_key_env) or None,
-                   sends_weights=sends_weights, bucket_mb=rollout.sync_bucket_mb)
+                   sends_weights=sends_weights, bucket_mb=rollout.sync_bucket_mb, adapters=rollout.sync_adapters)
     addresses = rollout.server if isinstance(rollout.server, list) else [rollout.server]
     if len(addresses) > 1:                          # several servers: grpokit.rollout.servers
         from grpokit.rollout.servers import ServerPool
         engine = ServerPool(addresses, tokenizer, **options)
     else:
         engine = ServerEngine(addresses[0], tokenizer, **options)
-    if push:
+    adapters = adapter_update(model) if push and is_peft(model) and engine.takes_adapters else None
+    if adapters is not None:                        # LoRA: the base once, then adapters alone
+        engine.needs_base()
+        engine.update_adapters(*adapters, base=iter(merged_state_dict(model, adapters=False).items()), version=0)
+    elif push:
         weights = merged_state_dict(model) if is_peft(model) else model.state_dict()
         engine.update_weights(((n, t.detach()) for n, t in weights.items()), version=0)
     return engine
@@ -101,4 +105,12 @@ def _vllm(model, tokenizer, rollout=None, **options):
     installed."""
     from grpokit.rollout.vllm import VLLMEngine
 
+    if options.get("lora_rank") is None and rollout is not None and rollout.sync_adapters and hasattr(model, "peft_config"):
+        options["lora_rank"] = lora_rank_of(model)        # adapters through vLLM's LoRA, not merged weights
     return VLLMEngine(model, tokenizer, **{**(rollout.vllm.model_dump() if rollout is not None else {}), **options})
+
+
+def lora_rank_of(model) -> int | None:
+    """The largest adapter rank of a PEFT model (what vLLM's LoRA must hold), or None."""
+    ranks = [int(c.r) for c in getattr(model, "peft_config", {}).values()]
+    return max(ranks) if ranks else None

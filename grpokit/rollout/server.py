@@ -36,6 +36,7 @@ import torch
 
 from grpokit.errors import ConfigError
 from grpokit.rollout import wire
+from grpokit.rollout.adapters import check_adapters
 from grpokit.rollout.base import GenerationCancelled, NonFiniteLogits, PromptStreams, check_weights
 from grpokit.rollout.serving import (API_KEY_ENV, RequestError, RolloutHTTPServer, ServerLimits, check_bind,
                                      is_loopback)
@@ -68,6 +69,7 @@ class RolloutService:
         self.update_error: str | None = None
         self.partial: dict | None = None        # an update in parts under way: version, next part, names, deadline
         self.broken: str | None = None          # why the weights are a mix of two versions (until a whole update)
+        self.lora_base = False                  # the weights are a LoRA run's base (+ adapters): adapters may come alone
         self.counts = {"generated": 0, "cancelled": 0}
         self._count_lock = threading.Lock()
         self.routes = {
@@ -100,6 +102,7 @@ class RolloutService:
     def health(self, http_counts: dict | None = None) -> dict:
         return {"status": "ok", "instance": self.instance, "version": self.version,
                 "group": self.group is not None, **self.info, "optional_weights": self._optional_weights(),
+                "adapters": hasattr(self.engine, "load_adapters"),
                 "requests": {**self.counts, **(http_counts or {})}, "limits": dataclasses.asdict(self.limits)}
 
     def _optional_weights(self) -> list[str]:
@@ -227,13 +230,20 @@ class RolloutService:
         version changes with the last part once every parameter has been given."""
         expected = getattr(self.engine, "expected_weights", None)
         whole = req.part == 0 and req.last
+        specs = {m: a.model_dump() for m, a in req.adapters.items()} if req.adapters is not None else None
         if not whole and not hasattr(self.engine, "load_part"):
             raise RequestError(400, f"this server's backend ({self.info['backend']}) loads a weight update in one "
                                     "part only: set rollout.sync_bucket_mb=0 on the trainer", "bad_weights")
+        if specs is not None and not hasattr(self.engine, "load_adapters"):
+            raise RequestError(400, f"this server's backend ({self.info['backend']}) takes full weights only, not "
+                                    "LoRA adapters: set rollout.sync_adapters=false on the trainer", "bad_weights")
         if expected is not None:
             shapes, required = expected()
             try:
-                check_weights(((m.name, m.shape) for m in req.tensors), shapes, required if whole else set())
+                if specs is not None:
+                    check_adapters(((m.name, m.shape) for m in req.tensors), specs, shapes)
+                else:
+                    check_weights(((m.name, m.shape) for m in req.tensors), shapes, required if whole else set())
             except (KeyError, ValueError) as exc:
                 msg = exc.args[0] if exc.args else str(exc)
                 raise RequestError(400, f"weights version {req.version} not loaded: {msg}", "bad_weights") from None
@@ -246,6 +256,9 @@ class RolloutService:
                 if whole or req.part == 0:
                     raise RequestError(409, "a weight update is in progress")
                 self.updating.join()                 # the part before this one is still loading
+            if whole and specs is not None and (not self.lora_base or self.broken is not None):
+                raise RequestError(409, f"weights version {req.version}: adapters alone need the base weights first "
+                                        "(sent as the parts of an update that ends with the adapters)", "no_adapter_base")
             if not whole:
                 if req.part > 0 and self.update_error is not None:
                     raise RequestError(409, self.update_error, "update_failed")
@@ -257,16 +270,25 @@ class RolloutService:
                 try:
                     named = group.receive(req.tensors)
                     with self.engine_lock:
-                        if whole:
+                        if whole and specs is not None:
+                            self.engine.load_adapters(named, specs)
+                            self.version, self.partial = req.version, None
+                        elif whole:
                             self.engine.update_weights(named, version=req.version)
                             self.version, self.broken, self.partial = req.version, None, None   # any parts before: superseded
+                            self.lora_base = req.base
                         else:
-                            self.engine.load_part(named)
+                            if req.part == 0:
+                                self.lora_base = False
+                            if specs is not None:
+                                self.engine.load_adapters(named, specs)
+                            else:
+                                self.engine.load_part(named)
                             self._part_loaded(req)
                 except Exception as exc:  # noqa: BLE001 - reported to the trainer by /version?wait=1
                     self.update_error = f"weights version {req.version} not loaded: {exc}"
-                    if not whole:
-                        self.partial = None
+                    if not whole or specs is not None:      # some tensors may have been loaded
+                        self.partial, self.lora_base = None, False
                         self.broken = f"{self.update_error} (the weights are a mix of two versions until a whole update)"
                     log.error(self.update_error)
 
@@ -279,11 +301,14 @@ class RolloutService:
         p = self.partial
         if req.part == 0:
             self.partial = {"version": req.version, "next": 0, "names": set(), "required": required,
-                            "deadline": time.monotonic() + PART_TIMEOUT_S}
+                            "deadline": time.monotonic() + PART_TIMEOUT_S, "base": req.base}
         elif p is None or p["version"] != req.version or p["next"] != req.part:
             want = "part 0" if p is None else f"part {p['next']} of version {p['version']}"
             raise RequestError(409, f"weights version {req.version} part {req.part} is out of order (expected {want})",
                                "bad_weights")
+        elif req.base != p["base"]:
+            raise RequestError(400, f"weights version {req.version} part {req.part}: base is {req.base} but part 0 "
+                                    f"said {p['base']}", "bad_weights")
         names = self.partial["names"]
         if any(m.name in names for m in req.tensors):
             raise RequestError(400, f"weights version {req.version} part {req.part} repeats a tensor of an earlier "
@@ -301,7 +326,7 @@ class RolloutService:
         missing = p["required"] - p["names"]
         if missing:
             raise ValueError(f"{len(missing)} parameters were in no part, e.g. {sorted(missing)[:3]}")
-        self.version, self.broken = req.version, None
+        self.version, self.broken, self.lora_base = req.version, None, p["base"]
         if hasattr(self.engine, "weights_version"):
             self.engine.weights_version = req.version
 

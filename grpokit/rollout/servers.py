@@ -162,9 +162,72 @@ class ServerPool:
             for a in list(targets):
                 try:
                     self.clients[a].acknowledge(version)
-                    self.clients[a].version = version
+                    self.clients[a].version, self.clients[a].base_sent = version, False
                 except RolloutServerError as exc:
                     self._drop(a, exc)
+            if not self.live():
+                raise self._none_left()
+            if self.barrier is not None:
+                self.barrier()
+        self.version = version
+        self.last_sync = {"time/sync": time.perf_counter() - t0, "sync/mb": sent / 2**20, "sync/parts": float(parts),
+                          "rollout/servers": float(len(self.live()))}
+
+    @property
+    def takes_adapters(self) -> bool:
+        return all(self.clients[a].takes_adapters for a in self.live())
+
+    def needs_base(self) -> bool:
+        """The sender's side: dropped servers that answer again are taken back now; true when a live
+        server has not received the base weights of a LoRA run (`update_adapters` sends them)."""
+        if not self.sends_weights:
+            return False
+        self._revive()
+        return any(self.clients[a].needs_base() for a in self.live())
+
+    def update_adapters(self, adapters: list, specs: dict[str, dict], base=None, version: int | None = None) -> None:
+        """A LoRA run's adapters to every live server; those without the base get it first, in
+        parts read once from `base` (grpokit.rollout.client.ServerEngine.update_adapters)."""
+        version = self.version + 1 if version is None else int(version)
+        t0, sent, parts = time.perf_counter(), 0, 0
+        if not self.sends_weights:
+            for _ in base or ():
+                pass
+            if self.barrier is not None:
+                self.barrier()
+            self._keep_current(version)
+        else:
+            targets = self.live()
+            if not targets:
+                raise self._none_left()
+            fresh = [a for a in targets if self.clients[a].needs_base()]
+            if fresh and base is None:
+                raise RolloutServerError(f"rollout servers {', '.join(fresh)} need the base weights first")
+            if fresh:
+                optional = set.intersection(*(self.clients[a].optional for a in fresh))
+                needed = ((n, t) for n, t in base if n not in optional)
+                for bucket, size, _ in weight_parts(needed, int(self.options.get("bucket_mb", 512.0) * 2**20)):
+                    for a in list(fresh):
+                        try:
+                            self.clients[a]._send_part(bucket, version, parts, last=False, base=True)
+                        except RolloutServerError as exc:
+                            self._drop(a, exc)
+                            fresh.remove(a)
+                            targets.remove(a)
+                    sent, parts = sent + size, parts + 1
+            elif base is not None:
+                for _ in base:                          # the other ranks read it too
+                    pass
+            for a in list(targets):
+                try:
+                    client = self.clients[a]
+                    first = a in fresh
+                    client._send_part(adapters, version, parts if first else 0, last=True, base=first, adapters=specs)
+                    client.acknowledge(version)
+                    client.version, client.base_sent = version, True
+                except RolloutServerError as exc:
+                    self._drop(a, exc)
+            sent, parts = sent + sum(t.numel() * t.element_size() for _, t in adapters), parts + 1
             if not self.live():
                 raise self._none_left()
             if self.barrier is not None:

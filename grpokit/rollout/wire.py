@@ -115,6 +115,13 @@ class TensorMeta(_Wire):
         return self
 
 
+class AdapterMeta(_Wire):
+    """One adapted layer of an adapter update (grpokit.rollout.adapters)."""
+    scale: float
+    fan_in_fan_out: bool = False
+    fp32: bool = False
+
+
 class UpdateRequest(_Wire):
     """Announces a weight update, or one part of it: the tensors follow over the weight group, in
     this order. An update in parts (buckets, so that the trainer never holds the whole model at
@@ -124,6 +131,12 @@ class UpdateRequest(_Wire):
     tensors: list[TensorMeta] = Field(min_length=1, max_length=100_000)
     part: int = Field(0, ge=0, lt=2**31)
     last: bool = True
+    base: bool = False
+    """The parts carry a LoRA run's base weights, which later adapter updates are folded into
+    (grpokit.rollout.adapters); its last part may be the adapters."""
+    adapters: dict[str, AdapterMeta] | None = Field(None, min_length=1)
+    """The tensors are LoRA adapters (NAME.lora_A, NAME.lora_B per adapted layer NAME), folded into
+    the base weights: a whole update, or the last part of a base update."""
 
     @model_validator(mode="after")
     def _unique(self):
@@ -131,6 +144,10 @@ class UpdateRequest(_Wire):
         if len(set(names)) != len(names):
             dup = next(n for n in names if names.count(n) > 1)
             raise ValueError(f"tensor {dup!r} is announced twice")
+        if self.adapters is not None and not self.last:
+            raise ValueError("adapters come as a whole update or as the last part of a base update")
+        if self.adapters is not None and self.part > 0 and not self.base:
+            raise ValueError("adapters in a later part end a base update (base: true)")
         return self
 
 

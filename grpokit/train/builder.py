@@ -208,8 +208,8 @@ def _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, env
     from grpokit.data.curriculum import Curriculum
     from grpokit.data.datasets import PromptSampler
     from grpokit.rollout.registry import build_engine
-    from grpokit.train.collect import Collector
-    from grpokit.train.distributed import GatheredEngine
+    from grpokit.train.collect import Collector, owns_weights
+    from grpokit.train.distributed import GatheredEngine, model_dir_of
     from grpokit.train.guard import Guard
     from grpokit.config.kl_control import build_kl_controller
     from grpokit.train.reference import ReferenceProbe
@@ -235,10 +235,18 @@ def _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, env
         # every rank exports together (an FSDP2 export gathers each tensor collectively)
         engine = build_engine(r.engine, worker.model, tokenizer, rollout=r, sends_weights=comm.is_main, push=False)
         engine.barrier = comm.barrier
-        sync_weights(engine, worker, 0)
+        sync_weights(engine, worker, 0, comm)
+    elif engine is None and r.engine == "vllm" and comm.mode != "none":
+        # every rank's vLLM (one engine per tensor-parallel group, vLLM's external_launcher) starts
+        # from the model's directory and is pushed the worker's weights at once (a sharded policy
+        # cannot be saved for it; the export gathers collectively)
+        from grpokit.rollout.registry import lora_rank_of
+        lora = lora_rank_of(worker.model) if r.sync_adapters else None
+        engine = build_engine(r.engine, model_dir_of(worker.model), tokenizer, rollout=r, lora_rank=lora)
+        sync_weights(engine, worker, 0, comm)
     elif engine is None:
         engine = build_engine(r.engine, worker.model, tokenizer, rollout=r)
-    if getattr(worker, "gathered", None) is not None and r.engine != "server":     # sharded weights:
+    if getattr(worker, "gathered", None) is not None and not owns_weights(engine):  # sharded weights:
         engine = GatheredEngine(engine, worker)                                     # gathered once per rollout
     dev = next(worker.model.parameters()).device
     gen = torch.Generator(device="cpu" if dev.type == "cpu" else dev)

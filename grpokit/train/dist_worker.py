@@ -32,7 +32,7 @@ from grpokit.models import sharded
 from grpokit.train.distributed import DistContext, gathered
 from grpokit.train.guard import NonFiniteStep
 from grpokit.train.logprobs import MicroBatch, completion_logprobs, unwrap
-from grpokit.models.lora import is_peft, merged_state_dict, save_policy
+from grpokit.models.lora import adapter_update, is_peft, merged_state_dict, save_policy
 from grpokit.train.worker import LocalWorker
 
 ROOT = "policy."      # the parameter-name prefix PolicyForward adds
@@ -213,6 +213,21 @@ class DataParallelWorker(LocalWorker):
             return
         for name, t in self.model.state_dict().items():
             yield name, _full(t).detach()
+
+    @torch.no_grad()
+    def export_adapters(self):
+        """The adapters alone (grpokit.models.lora.adapter_update), gathered; collective under FSDP2."""
+        if not is_peft(self.model):
+            return None
+        with self.gathered():
+            return adapter_update(self.model)
+
+    @torch.no_grad()
+    def export_base(self):
+        """A LoRA policy's base weights, gathered (collective under FSDP2: every rank iterates)."""
+        with self.gathered():
+            full = {k: v.detach().clone() for k, v in merged_state_dict(self.model, adapters=False).items()}
+        yield from full.items()
 
     def save_weights(self, path, *, merged: bool = False) -> None:
         """Sharded checkpoints: every rank writes its shards of the weights and the optimizer state

@@ -64,9 +64,10 @@ def check_config(cfg, world: int) -> None:
     if P % world:
         raise ConfigError(f"rollout.batch_size / rollout.group_size = {P} prompts per step is not divisible by "
                           f"the world size {world}: every rank takes whole groups, the same number each")
-    if cfg.rollout.engine == "vllm":
-        raise ConfigError("rollout.engine=vllm is not supported with train.distributed yet (each rank generates "
-                          "with its own copy: use rollout.engine=hf, or a rollout server with rollout.engine=server)")
+    tp = cfg.rollout.vllm.tensor_parallel_size
+    if cfg.rollout.engine == "vllm" and world % tp:
+        raise ConfigError(f"rollout.vllm.tensor_parallel_size={tp} does not divide the world size {world}: each "
+                          "group of that many ranks forms one vLLM engine (vLLM's external_launcher)")
     if cfg.rollout.engine == "hf_copy" and resolve_mode(cfg.train.distributed, world, cfg.lora) == "fsdp2":
         raise ConfigError("rollout.engine=hf_copy does not run under train.distributed=fsdp2 (its copy of the "
                           "policy would be a sharded module); use rollout.engine=hf (each rollout gathers the "
@@ -242,6 +243,18 @@ def check_same_config(ctx: DistContext, cfg) -> None:
 
 
 # ---------------------------------------------------------------------- generation
+def model_dir_of(model) -> str:
+    """The Hugging Face directory a (possibly PEFT-wrapped) model was loaded from: what each rank's
+    vLLM engine starts from before it is pushed the trained weights."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    path = getattr(base.config, "_name_or_path", "") or ""
+    if not (path and os.path.isfile(os.path.join(path, "config.json"))):
+        raise ConfigError("rollout.engine=vllm under torchrun starts each rank's engine from the model's directory, "
+                          f"and this model has none ({path or 'built in memory'}): load it from a Hugging Face "
+                          "directory (model.path), or use rollout.engine=hf or a rollout server")
+    return path
+
+
 class GatheredEngine:
     """A rollout engine over an FSDP2-sharded policy: its parameters are gathered once per
     `generate` call (`unshard()` on every FSDP module), not once per decoding step, so the ranks may

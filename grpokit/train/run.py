@@ -69,7 +69,7 @@ class Trainer:
         return self.step_fn(self.step_idx)
 
     def sync_weights(self, version: int | None = None) -> None:
-        sync_weights(self.engine, self.worker, self.step_idx + 1 if version is None else version)
+        sync_weights(self.engine, self.worker, self.step_idx + 1 if version is None else version, self.comm)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

@@ -59,13 +59,25 @@ class StepSettings:
     kl_measure_rows: int = 16
 
 
-def sync_weights(engine, worker, version: int) -> dict[str, float]:
+def sync_weights(engine, worker, version: int, comm=None) -> dict[str, float]:
     """Push the trained weights to an engine that holds its own copy (no-op otherwise). Their
-    version is the number of optimizer steps they have trained. Returns what the engine reports of
-    the push (`time/sync`, `sync/mb`, `sync/parts` for a rollout server), else {}."""
+    version is the number of optimizer steps they have trained. A LoRA policy sends its adapters
+    alone to an engine that folds them in (`takes_adapters`: a rollout server's HF backend), with the
+    base weights first where the engine lacks them; anything else goes as full (merged) weights.
+    Every rank of a data-parallel job calls it (the exports are collective under FSDP2; `comm`
+    makes the ranks agree on sending the base). Returns what the engine reports of the push
+    (`time/sync`, `sync/mb`, `sync/parts` for a rollout server), else {}."""
     if not owns_weights(engine):
         return {}
-    engine.update_weights(worker.export_weights(), version=version)
+    export = getattr(worker, "export_adapters", None)
+    adapters = export() if export is not None and getattr(engine, "takes_adapters", False) else None
+    if adapters is not None:
+        need = engine.needs_base()
+        if comm is not None:
+            need = comm.any(need)
+        engine.update_adapters(*adapters, base=worker.export_base() if need else None, version=version)
+    else:
+        engine.update_weights(worker.export_weights(), version=version)
     return dict(getattr(engine, "last_sync", None) or {})
 
 
@@ -134,7 +146,7 @@ class Step:
         m["time/update"] = time.perf_counter() - t
         drift = self.ref_probe.check(self.worker, batch, step_idx) if self.ref_probe is not None else None
         self._after_update(upd.pop("guard/causes"), int(upd.pop("guard/updates_skipped")), step_idx)
-        m.update(sync_weights(self.engine, self.worker, step_idx + 1) or {})  # 7 (after a rollback, too)
+        m.update(sync_weights(self.engine, self.worker, step_idx + 1, self.comm) or {})  # 7 (after a rollback, too)
         if kl_in_reward is not None:                 # no KL term in the loss: kl/ref is the reward's k1
             upd.update(kl_in_reward)
         if self.entropy_ctl is not None:              # the next update's bonus (grpokit.algo.entropy)
@@ -250,7 +262,7 @@ class Step:
         learning-rate schedule still advances by the step's updates (it counts training steps)."""
         self.worker.skip_step()
         self._after_update([cause], self.worker.updates_per_step(), step_idx)
-        sync_weights(self.engine, self.worker, step_idx + 1)           # the weights may have been rolled back
+        sync_weights(self.engine, self.worker, step_idx + 1, self.comm)  # the weights may have been rolled back
         self.last_batch = None
         return {"kl/beta": self.kl_ctl.beta, "optim/lr": self.worker.scheduler.get_last_lr()[0],
                 **self.guard.metrics(), "time/step": time.perf_counter() - t_step, "memory/rss_mb": rss_mb()}

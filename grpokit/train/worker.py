@@ -31,7 +31,7 @@ from grpokit.train.batch import Batch
 from grpokit.train.guard import NonFiniteStep, diagnose
 from grpokit.train import checkpoint as ckpt_lib
 from grpokit.models import sharded
-from grpokit.models.lora import is_peft, merged_state_dict, save_policy
+from grpokit.models.lora import adapter_update, is_peft, merged_state_dict, save_policy
 from grpokit.train.logprobs import (MicroBatch, build_micro_batch, completion_logprobs, padded_logprobs,
                                     padding_fraction, plan_micro_batches, unwrap)
 from grpokit.train.reference import Reference
@@ -55,6 +55,13 @@ class TrainingWorker(Protocol):
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full, Hugging Face-named tensors of the current policy (LoRA merged, out of place)."""
+
+    def export_adapters(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, dict]] | None:
+        """A LoRA policy's adapters as a rollout server folds them in (grpokit.models.lora.
+        adapter_update), or None (not LoRA, or adapters that must go merged)."""
+
+    def export_base(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """A LoRA policy's base weights (dequantized), Hugging Face-named: what the adapters fold into."""
 
     def save_weights(self, path, *, merged: bool = False) -> None:
         """Write the policy into a checkpoint folder (`path` None: a rank that does not write)."""
@@ -423,3 +430,9 @@ class LocalWorker:
             return
         for name, t in self.model.state_dict().items():
             yield name, t.detach()
+
+    def export_adapters(self):
+        return adapter_update(self.model) if is_peft(self.model) else None
+
+    def export_base(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from merged_state_dict(self.model, adapters=False).items()

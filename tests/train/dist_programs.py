@@ -237,11 +237,50 @@ def train_parity(out: Path, *argv) -> None:
     (out / f"rank{os.environ['RANK']}.exit").write_text(str(code))
 
 
+def vllm_push(out: Path, *overrides) -> None:
+    """A run with each rank's colocated vLLM engine (`rollout.engine=vllm` under torchrun) trained for
+    `train.steps`, then greedy completions of fixed prompts from the rank's vLLM engine and from the
+    trained policy's exported weights in a plain model: rank R writes both to out/rankR.json."""
+    import json
+    import os
+
+
+    from grpokit.config import load_config
+    from grpokit.models import load_model
+    from grpokit.rollout.base import SamplingParams
+    from grpokit.rollout.hf import HFEngine
+    from grpokit.train import build_trainer
+    from grpokit.train.distributed import model_dir_of
+    import tests.fixtures  # noqa: F401 - registers the test_varied reward
+
+    cfg = load_config(None, list(overrides))
+    tr = build_trainer(cfg, health=False, report=False)
+    tr.on_exit = []                           # the job stays joined for the export below
+    tr.train()
+    plain = load_model(model_dir_of(tr.worker.model), dtype="float32", device="cpu")
+    start = {n: t.clone() for n, t in plain.state_dict().items()}
+    weights = dict(tr.worker.export_weights())                   # collective under FSDP2
+    plain.load_state_dict(weights, strict=False)
+    if getattr(plain.config, "tie_word_embeddings", False):
+        plain.tie_weights()
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 3, 5]]
+    greedy = SamplingParams(n=1, max_new_tokens=8, temperature=0.0)
+    got = tr.engine.generate(prompts, greedy).completion_ids.tolist()
+    want = HFEngine(plain, tr.tokenizer).generate(prompts, greedy).completion_ids.tolist()
+    rank = os.environ["RANK"]
+    (out / f"rank{rank}.json").write_text(json.dumps({
+        "vllm": got, "trained": want, "version": tr.engine.weights_version,
+        "adapters": getattr(tr.engine, "lora_request", None) is not None,
+        "moved": max(float((t - start[n]).abs().max()) for n, t in weights.items())}))
+    tr.engine.close()
+
+
 if __name__ == "__main__":
     what, out = sys.argv[1], Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
     programs = {"equivalence": equivalence, "conformance": conformance, "mismatch": mismatch,
-                "train_filtered": train_filtered, "train_parity": train_parity, "lora": lora, "comm": comm}
+                "train_filtered": train_filtered, "train_parity": train_parity, "lora": lora, "comm": comm,
+                "vllm_push": vllm_push}
     code = 0
     try:
         programs[what](out, *sys.argv[3:])

@@ -81,6 +81,28 @@ def test_two_ranks_with_a_server_train_as_in_process_and_resume_at_one(tmp_path,
         assert request(srv.address, "GET", "/version")[1]["version"] == 3
 
 
+def test_two_sharded_ranks_send_a_server_the_lora_adapters_alone(tmp_path, inputs):
+    """LoRA on 2 FSDP2 ranks with a server: the base goes once (at the start, in parts), then every
+    step sends the adapters alone, gathered from the shards by every rank together; the server's
+    weights equal the checkpoint's adapters merged into the base, bit for bit."""
+    _, model_dir, _, _ = inputs
+    with ServerProcess(model_dir, tmp_path / "server.log") as srv:
+        run = tmp_path / "lora"
+        rows = _train(inputs, 2, run, tmp_path / "o", **{
+            "rollout.engine": "server", "rollout.server": srv.address, "rollout.server_timeout_s": 60,
+            "rollout.sync_bucket_mb": 0.05, "lora.enabled": "true", "lora.rank": 4, "lora.reference": "copy", "optim.lr": 1e-2,
+            "train.steps": 3, "train.save_every": 3})
+        assert request(srv.address, "GET", "/version")[1]["version"] == 3
+        assert [r["sync/parts"] for r in rows] == [1, 1, 1]             # the adapters alone, each step
+        from grpokit.models.lora import load_adapter_model, merged_state_dict
+        policy = load_adapter_model(run / "checkpoints" / "step_000003", dtype="float32", device="cpu", merge=False)
+        want = merged_state_dict(policy)
+        adapters = sum(p.numel() * 4 for n, p in policy.named_parameters() if "lora_" in n) / 2**20
+        assert all(r["sync/mb"] == pytest.approx(adapters) for r in rows)
+        sums = request(srv.address, "GET", "/checksums")[1]["checksums"]
+        assert {n: sums[n] for n in want} == {n: tensor_checksum(t) for n, t in want.items()}
+
+
 def test_two_machines_and_a_server_train_checkpoint_and_resume_on_one(tmp_path, inputs):
     """The multi-node path on this machine: two torchrun launchers (`--nnodes 2`, one process each,
     c10d rendezvous on localhost) and a rollout server as a third process train 3 DDP steps (the

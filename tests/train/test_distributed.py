@@ -248,6 +248,28 @@ def test_the_curriculum_is_shared_over_ranks(tmp_path, inputs):
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_an_engine_copy_under_ddp_trains_as_the_policy_engine(tmp_path, inputs):
+    """`rollout.engine: hf_copy` at 2 DDP ranks: each rank's copy is pushed its replica's weights
+    after every step, so each step samples what the policy itself (`hf`) samples: the same rewards
+    and lengths, and loss and gradient norm up to rounding (the copy's pi_old is recomputed by the
+    trainer, the policy engine's is its sampler's), step by step."""
+    rows = {}
+    for engine in ("hf_copy", "hf"):
+        run_dir, out = tmp_path / engine, tmp_path / f"{engine}_out"
+        argv = _train_args(inputs, run_dir, **{"train.steps": 3, "rollout.engine": engine, "train.distributed": "ddp",
+                                                "rewards": "[{name: digit_parity}]", "optim.lr": 5e-2})[2:]
+        torchrun.run(2, torchrun.program("train_parity", out, *argv), timeout=150)
+        assert [(out / f"rank{r}.exit").read_text() for r in (0, 1)] == ["0", "0"]
+        rows[engine] = _rows(run_dir)
+    assert [r["step"] for r in rows["hf_copy"]] == [1, 2, 3]
+    for a, b in zip(rows["hf_copy"], rows["hf"]):
+        assert a["reward/mean"] == b["reward/mean"] and a["completion/length_mean"] == b["completion/length_mean"]
+        for k in ("loss/total", "optim/grad_norm"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (a["step"], k)   # pi_old: recomputed vs sampled
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_rewriting_at_two_processes_matches_one(tmp_path, inputs, mode):
     """Wrong-answer rewriting at 2 processes: the notes' NLL is normalised by their tokens over both

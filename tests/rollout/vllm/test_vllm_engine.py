@@ -196,10 +196,12 @@ def test_after_a_training_step_the_engine_samples_as_the_trained_policy(trainer)
     torch.testing.assert_close(new[1], want[1], atol=LOGP_ATOL, rtol=0)
 
 
-def test_a_short_lora_grpo_run_through_the_python_api(tmp_path):
-    """`grpokit.GRPO` with `rollout.engine: vllm` and LoRA: the engine starts from the merged
-    weights of the PEFT model, three steps complete, every step pushes merged weights and the
-    sampler stays within tolerance of the trainer."""
+@pytest.mark.parametrize("adapters", [True, False])
+def test_a_short_lora_grpo_run_through_the_python_api(tmp_path, adapters):
+    """`grpokit.GRPO` with `rollout.engine: vllm` and LoRA, three steps. By default the engine holds
+    the base weights and every step hands vLLM's LoRA the adapters alone (`rollout.sync_adapters`);
+    with it off, every step pushes the merged weights. Either way the sampler stays within tolerance
+    of the trainer and greedy tokens equal the trained policy's."""
     torch.manual_seed(0)
     small = {"rollout.group_size": 4, "rollout.batch_size": 16, "rollout.max_new_tokens": 6,
              "rollout.temperature": 1.0, "optim.micro_batch_size": 16, "train.progress": False,
@@ -208,11 +210,12 @@ def test_a_short_lora_grpo_run_through_the_python_api(tmp_path):
                         dataset=ArithmeticTask(seed=0, heldout=8).train_rows(64, 0), config="grpo",
                         overrides={**small, **VLLM_OPTS, "rollout.engine": "vllm", "model.dtype": "float32",
                                    "model.device": DEVICE, "train.steps": 3, "lora.enabled": True,
-                                   "lora.rank": 4, "optim.lr": 1e-2})
+                                   "lora.rank": 4, "optim.lr": 1e-2, "rollout.sync_adapters": adapters})
     metrics = grpo.train()
     engine = grpo.trainer.engine
     try:
         assert isinstance(engine, VLLMEngine) and engine.weights_version == 3
+        assert (engine.lora_request is not None) == adapters and engine.takes_adapters == adapters
         assert math.isfinite(metrics["optim/grad_norm"]) and metrics["optim/grad_norm"] > 0
         assert metrics["rollout/logprob_diff_max"] < LOGP_ATOL
         want = greedy(HFEngine(grpo.trainer.model, grpo.trainer.tokenizer), grpo.trainer)

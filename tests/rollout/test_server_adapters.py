@@ -1,0 +1,194 @@
+"""A LoRA run's weight sync to a rollout server: the adapters alone after the base once
+(grpokit.rollout.adapters; docs/rollout.md, "LoRA runs send adapters").
+
+The server runs in a thread of the test process (tests/rollout/server_proc.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from grpokit.config import LoraSection
+from grpokit.models import load_model, load_tokenizer
+from grpokit.models.lora import adapter_update, merged_state_dict, wrap_lora
+from grpokit.rollout.adapters import lora_delta
+from grpokit.rollout.base import SamplingParams
+from grpokit.rollout.client import RolloutServerError, ServerEngine
+from grpokit.rollout.server import tensor_checksum
+from tests.fixtures import tiny_run_inputs, varied_trainer
+from tests.rollout.server_proc import request, served
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return tiny_run_inputs(tmp_path_factory.mktemp("server_adapters"))
+
+
+def _lora(model_dir, rank: int = 4, seed: int = 0, **extra):
+    model = wrap_lora(load_model(model_dir, dtype="float32", device="cpu"), LoraSection(enabled=True, rank=rank, **extra))
+    _shake(model, seed)
+    return model
+
+
+@torch.no_grad()
+def _shake(model, seed: int) -> None:
+    """Seeded values in every adapter (B starts at 0: the delta would be 0) and in the base weights
+    (so a server that kept its own base, not the trainer's, is told apart)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        p.add_(0.05 * torch.randn(p.shape, generator=g))
+
+
+def _sums(tensors: dict) -> dict:
+    return {n: tensor_checksum(t) for n, t in tensors.items()}
+
+
+def test_adapters_fold_into_the_base_bit_for_bit_and_cost_a_fraction_of_the_weights(setup):
+    _, model_dir, _, _ = setup
+    model, tok = _lora(model_dir), load_tokenizer(model_dir)
+    with served(model_dir) as (address, service, _):
+        engine = ServerEngine(address, tok, timeout_s=60, bucket_mb=0.05)
+        assert engine.takes_adapters and engine.needs_base()
+        base = merged_state_dict(model, adapters=False)
+        ad, specs = adapter_update(model)
+        engine.update_adapters(ad, specs, base=iter(base.items()), version=1)
+        first = dict(engine.last_sync)
+        assert service.version == 1 and service.lora_base and not engine.needs_base()
+        server = engine.checksums()
+        want = _sums(merged_state_dict(model))
+        assert {n: server[n] for n in want} == want                         # base + adapters, bit for bit
+
+        for step in (2, 3):          # new adapters alone, twice: each lands on the base, not on the last merge
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if "lora_" in n:
+                        p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(step)))
+            ad, specs = adapter_update(model)
+            engine.update_adapters(ad, specs, version=step)
+            server, want = engine.checksums(), _sums(merged_state_dict(model))
+            assert {n: server[n] for n in want} == want
+        adapter_bytes = sum(t.numel() * t.element_size() for _, t in ad)
+        assert engine.last_sync["sync/parts"] == 1
+        assert engine.last_sync["sync/mb"] == pytest.approx(adapter_bytes / 2**20)
+        assert first["sync/parts"] > 2 and first["sync/mb"] > 5 * engine.last_sync["sync/mb"]
+        engine.close()
+
+
+def test_adapters_alone_need_the_base_and_a_full_update_forgets_it(setup):
+    _, model_dir, _, _ = setup
+    model, tok = _lora(model_dir), load_tokenizer(model_dir)
+    ad, specs = adapter_update(model)
+    with served(model_dir) as (address, service, _):
+        engine = ServerEngine(address, tok, timeout_s=60)
+        engine.base_sent = True                                   # pretend: the server has no base yet
+        with pytest.raises(RolloutServerError, match="adapters alone need the base weights first"):
+            engine.update_adapters(ad, specs, version=1)
+        assert service.version == 0
+        engine.update_adapters(ad, specs, base=iter(merged_state_dict(model, adapters=False).items()), version=1)
+        engine.update_weights(merged_state_dict(model).items(), version=2)     # merged: the server has no base now
+        assert not service.lora_base and engine.needs_base()
+        engine.base_sent = True
+        with pytest.raises(RolloutServerError, match="need the base weights first"):
+            engine.update_adapters(ad, specs, version=3)
+        engine.close()
+
+
+def test_malformed_adapter_updates_are_refused_before_anything_moves(setup):
+    _, model_dir, _, _ = setup
+    model, tok = _lora(model_dir), load_tokenizer(model_dir)
+    ad, specs = adapter_update(model)
+    layer = next(iter(specs))
+    meta = lambda name, shape: {"name": name, "dtype": "float32", "shape": list(shape)}   # noqa: E731
+    shapes = {n: list(t.shape) for n, t in ad}
+    with served(model_dir) as (address, service, _):
+        ServerEngine(address, tok, timeout_s=60)               # joins the weight group
+        cases = [
+            ({layer: specs[layer]}, [meta(f"{layer}.lora_A", shapes[f"{layer}.lora_A"])], "'.*lora_B' is missing"),
+            ({layer: specs[layer]}, [meta(f"{layer}.lora_A", shapes[f"{layer}.lora_A"]),
+                                     meta(f"{layer}.lora_B", [shapes[f"{layer}.lora_B"][0] + 1, shapes[f"{layer}.lora_B"][1]])],
+             "do not fit its weight"),
+            ({"model.nowhere": specs[layer]}, [meta("model.nowhere.lora_A", [4, 8]), meta("model.nowhere.lora_B", [8, 4])],
+             "no linear layer 'model.nowhere'"),
+        ]
+        for adapters, tensors, why in cases:
+            status, body, _ = request(address, "POST", "/update_weights",
+                                      {"version": 1, "tensors": tensors, "adapters": adapters})
+            assert status == 400, body
+            assert pytest.importorskip("re").search(why, body["error"]), body["error"]
+        status, body, _ = request(address, "POST", "/update_weights", {
+            "version": 1, "tensors": [meta(n, s) for n, s in shapes.items()], "adapters": specs, "part": 0, "last": False})
+        assert status == 400 and "as a whole update or as the last part" in body["error"]
+        status, body, _ = request(address, "POST", "/update_weights", {
+            "version": 1, "tensors": [meta(n, s) for n, s in shapes.items()],
+            "adapters": {**specs, layer: {**specs[layer], "scale": float("inf")}}})
+        assert status == 400
+        assert service.version == 0
+
+
+def test_lora_delta_is_peft_s_merge_for_half_and_transposed_layers():
+    g = torch.Generator().manual_seed(0)
+    A, B = torch.randn(4, 6, generator=g), torch.randn(5, 4, generator=g)
+    want = (B @ A) * 0.5
+    assert torch.equal(lora_delta(A, B, 0.5), want)
+    assert torch.equal(lora_delta(A, B, 0.5, fan_in_fan_out=True), want.T)
+    Ah, Bh = A.bfloat16(), B.bfloat16()
+    assert torch.equal(lora_delta(Ah, Bh, 0.5, fp32=True), ((Bh.float() @ Ah.float()) * 0.5).bfloat16())
+    assert lora_delta(Ah, Bh, 0.5).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("adapters", [True, False])
+def test_a_lora_run_with_a_server_sends_adapters_and_the_server_follows(setup, adapters):
+    root, model_dir, _, _ = setup
+    with served(model_dir) as (address, service, _):
+        tr = varied_trainer(setup, f"lora_server_{adapters}", **{
+            "lora.enabled": True, "lora.rank": 4, "rollout.engine": "server", "rollout.server": address,
+            "rollout.sync_adapters": adapters, "train.steps": 3})
+        tr.train()
+        rows = [json.loads(line) for line in (root / f"lora_server_{adapters}" / "metrics.jsonl").open()]
+        mb = [r["sync/mb"] for r in rows]
+        full = sum(t.numel() * t.element_size() for t in merged_state_dict(tr.worker.model).values()) / 2**20
+        ad, _ = adapter_update(tr.worker.model)
+        small = sum(t.numel() * t.element_size() for _, t in ad) / 2**20
+        assert mb == pytest.approx([small if adapters else full] * 3)
+        assert service.version == 3 and service.lora_base == adapters
+        server, want = tr.engine.checksums(), _sums(merged_state_dict(tr.worker.model))
+        assert {n: server[n] for n in want} == want
+        tr.engine.close()
+
+
+def test_a_pool_sends_the_base_only_to_the_server_that_lacks_it(setup):
+    """Two servers take a LoRA run's adapters; B stops and starts again (a new instance, base
+    weights of its own): before the next update the pool takes it back and sends it the base, A the
+    adapters alone, and both end up holding the trainer's merged weights."""
+    import contextlib
+
+    from grpokit.rollout.servers import ServerPool
+
+    _, model_dir, _, _ = setup
+    model, tok = _lora(model_dir), load_tokenizer(model_dir)
+    base = lambda: iter(merged_state_dict(model, adapters=False).items())   # noqa: E731
+    with contextlib.ExitStack() as stack:
+        a, svc_a, _ = stack.enter_context(served(model_dir))
+        b_ctx = served(model_dir)
+        b, _, _ = b_ctx.__enter__()
+        port_b = int(b.rsplit(":", 1)[1])
+        pool = ServerPool([a, b], tok, timeout_s=30, retries=1)
+        assert pool.takes_adapters and pool.needs_base()
+        pool.update_adapters(*adapter_update(model), base=base(), version=1)
+        assert not pool.needs_base()
+        b_ctx.__exit__(None, None, None)
+        _shake(model, seed=1)       # the base moves too: B must get the trainer's, A keeps the one it had
+        pool.generate([[5, 6], [7, 8]], SamplingParams(n=1, max_new_tokens=2), torch.Generator().manual_seed(0))
+        assert pool.live() == [a]                                # B dropped, its prompts drawn on A
+        b, svc_b, _ = stack.enter_context(served(model_dir, port=port_b))
+        assert pool.needs_base()                                 # B is back, without the base
+        pool.update_adapters(*adapter_update(model), base=base(), version=2)
+        assert svc_a.version == svc_b.version == 2 and pool.last_sync["rollout/servers"] == 2
+        merged_a = _sums(merged_state_dict(model))
+        sums_b = pool.clients[b].checksums()
+        assert {n: sums_b[n] for n in merged_a} == merged_a     # B: the new base + adapters
+        sums_a = pool.clients[a].checksums()
+        assert sums_a != sums_b                                  # A folded the adapters into its first base
+        pool.close()
