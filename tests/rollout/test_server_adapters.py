@@ -192,3 +192,32 @@ def test_a_pool_sends_the_base_only_to_the_server_that_lacks_it(setup):
         sums_a = pool.clients[a].checksums()
         assert sums_a != sums_b                                  # A folded the adapters into its first base
         pool.close()
+
+
+def test_a_4bit_base_goes_dequantized_and_its_adapters_fold_in_bit_for_bit(setup):
+    """QLoRA: the server holds full-precision weights, so the trainer sends its base dequantized
+    (the weights its 4-bit layers compute with), and the adapters after it; the server's weights
+    then equal the trainer's merged export (dequantized base + scale B A) bit for bit."""
+    from grpokit.models.lora import four_bit_unavailable, load_4bit_model
+
+    if (why := four_bit_unavailable("cpu")) is not None:
+        pytest.skip(why)
+    _, model_dir, _, _ = setup
+    lcfg = LoraSection(enabled=True, rank=4, load_in_4bit=True)
+    model = wrap_lora(load_4bit_model(model_dir, lcfg, dtype="float32", device="cpu"), lcfg)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    tok = load_tokenizer(model_dir)
+    with served(model_dir) as (address, service, _):
+        engine = ServerEngine(address, tok, timeout_s=60)
+        engine.update_adapters(*adapter_update(model), base=iter(merged_state_dict(model, adapters=False).items()),
+                               version=1)
+        server, want = engine.checksums(), _sums(merged_state_dict(model))
+        assert {n: server[n] for n in want} == want
+        plain = load_model(model_dir, dtype="float32", device="cpu").state_dict()
+        layer = next(n for n in want if n.endswith("q_proj.weight"))
+        assert server[layer] != tensor_checksum(plain[layer])        # not the file's weights: the 4-bit ones
+        engine.close()
