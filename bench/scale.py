@@ -91,15 +91,16 @@ def summarise(run_dir: Path, peaks: dict[int, float], params: int, world: int) -
             "train_state_measured": "memory/train_state_mb" in rows[0], "mean_completion_length": statistics.mean(r["completion/length_mean"] for r in rows)}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=6, help="training steps per configuration (the first is a warm-up)")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--size", default="large", choices=sorted(common.SIZES))
     ap.add_argument("--work", default=str(ROOT / "runs" / "bench-scale"))
-    args = ap.parse_args()
+    ap.add_argument("--out", default="", help="results JSON (default: bench/results/scale-DATE-HOST.json)")
+    args = ap.parse_args(argv)
     work = Path(args.work)
-    dims = prepare(work, [args.size])
+    dims, _ = prepare(work, [args.size])
     params = dims[args.size + "_params"]
     over = [f"model.path={work / f'model-{args.size}'}", f"data.path={work / 'prompts.jsonl'}",
             f"rollout.group_size={common.GROUP_SIZE}", f"rollout.batch_size={common.GROUP_SIZE * common.PROMPTS_PER_STEP}",
@@ -131,7 +132,7 @@ def main() -> None:
                  f"{b['train_state_mb_per_rank'] / a['train_state_mb_per_rank']:.2f} |")
     text = "\n".join(table)
     print(text)
-    out = HERE / "results" / f"scale-{dt.datetime.now(dt.timezone.utc):%Y%m%d}-{socket.gethostname()}.json"
+    out = Path(args.out) if args.out else HERE / "results" / f"scale-{dt.datetime.now(dt.timezone.utc):%Y%m%d}-{socket.gethostname()}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"size": args.size, "params": params, "max_new_tokens": args.max_new_tokens,
                                "steps": args.steps, "results": results, "table": text}, indent=2))

@@ -6,9 +6,10 @@ every step moves the whole base each time (SmolLM2-135M: 513 MiB); sending the a
 r * (in + out) numbers per adapted layer (SmolLM2 at r = 16: 18 MiB). The server then needs the
 base: the trainer sends it once (the first sync to that server, as the parts of an update that ends
 with the adapters), and the server keeps a copy of each adapted layer's base weight, so every later
-update is W = W_base + scale * B @ A, computed as peft computes it when it merges (the same
-operations in the same order: the server's weights equal the trainer's merged export bit for bit,
-tested by checksum).
+update is W = W_base + scale * B @ A: one fused `addmm` per layer where the weight and adapters
+share a dtype (2.6x faster than a product, a scaling and an add, which is how peft merges), else
+peft's own order. On the CPU the two agree bit for bit (the server's weights equal the trainer's
+merged export: tested by checksum); another BLAS may round the fused form differently, by an ulp.
 
 Memory: the server holds a second copy of the adapted layers' weights (the base); the alternative,
 running the adapters unmerged during generation, costs two thin matmuls per layer and token.
@@ -88,6 +89,8 @@ class AdapterMerger:
             if base is None:
                 base = self.base[m] = w.detach().clone()
             A, B = (named[n].to(w.device) for n in tensor_names(m))
-            delta = lora_delta(A, B, float(spec["scale"]), bool(spec.get("fan_in_fan_out", False)),
-                               bool(spec.get("fp32", False)))
-            w.copy_(base + delta.to(w.dtype))
+            scale, flip, fp32 = float(spec["scale"]), bool(spec.get("fan_in_fan_out", False)), bool(spec.get("fp32", False))
+            if not flip and not fp32 and A.dtype == B.dtype == w.dtype:
+                torch.addmm(base, B, A, alpha=scale, out=w)      # one pass over the weight, no temporary
+            else:
+                w.copy_(base + lora_delta(A, B, scale, flip, fp32).to(w.dtype))
