@@ -103,6 +103,20 @@ def test_two_sharded_ranks_send_a_server_the_lora_adapters_alone(tmp_path, input
         assert {n: sums[n] for n in want} == {n: tensor_checksum(t) for n, t in want.items()}
 
 
+def test_two_ddp_ranks_with_a_server_run_one_step_off_policy(tmp_path, inputs):
+    """`rollout.async` under DDP (the demo-task test below shards with FSDP2): each rank keeps its
+    share of the next step in flight; the first batch is on-policy, every later one one step stale,
+    and the server ends at one version per step."""
+    _, model_dir, _, _ = inputs
+    with ServerProcess(model_dir, tmp_path / "server.log") as srv:
+        rows = _train(inputs, 2, tmp_path / "run", tmp_path / "o", **{
+            "rollout.engine": "server", "rollout.server": srv.address, "rollout.server_timeout_s": 60,
+            "rollout.async": "true", "train.distributed": "ddp", "train.steps": 4})
+        assert request(srv.address, "GET", "/version")[1]["version"] == 4
+    assert [r["rollout/staleness"] for r in rows] == [0, 1, 1, 1]
+    assert all(r["optim/grad_norm"] > 0 for r in rows)
+
+
 def test_two_machines_and_a_server_train_checkpoint_and_resume_on_one(tmp_path, inputs):
     """The multi-node path on this machine: two torchrun launchers (`--nnodes 2`, one process each,
     c10d rendezvous on localhost) and a rollout server as a third process train 3 DDP steps (the
