@@ -34,6 +34,26 @@ DOCS_DIST = ROOT / "docs" / "distributed.md"
 BEGIN, END = "<!-- overlap:begin -->", "<!-- overlap:end -->"
 
 
+def overrides(address: str, warm: Path, data: Path, run_dir: Path, *, asynchronous: bool, steps: int,
+              seed: int) -> list[str]:
+    """The demo configuration on the server, one warm-up step more than measured, nothing saved."""
+    return [f"model.path={warm}", f"data.path={data}", f"train.run_dir={run_dir}", f"train.steps={steps + 1}",
+            f"train.seed={seed}", "train.save_every=0", "train.save_every_minutes=0", "train.sample_every=0",
+            "train.progress=false", "train.check_rewards=false", "rollout.engine=server", f"rollout.server={address}",
+            f"rollout.async={str(asynchronous).lower()}", "data.eval_split=0",
+            "algorithm.kl.beta=0", "algorithm.kl.measure_every=0"]     # as measured in docs/rollout.md
+
+
+def summary(name: str, times: list[float], rows: list[dict]) -> dict:
+    """Step times (after the warm-up step) and the measured steps' metrics."""
+    return {"mode": name, "steps": len(times), "step_s_median": statistics.median(times),
+            "step_s_mean": statistics.fmean(times),
+            "rollout_wait_s_mean": statistics.fmean(r["time/rollout"] for r in rows),
+            "update_s_mean": statistics.fmean(r["time/update"] for r in rows),
+            "staleness": sorted({r.get("rollout/staleness") for r in rows}),
+            "reward_mean_last5": statistics.fmean(r["reward/mean"] for r in rows[-5:])}
+
+
 def run_mode(address: str, warm: Path, data: Path, work: Path, *, asynchronous: bool, steps: int, seed: int) -> dict:
     import torch
 
@@ -42,12 +62,8 @@ def run_mode(address: str, warm: Path, data: Path, work: Path, *, asynchronous: 
     from grpokit.models import load_model, load_tokenizer
 
     name = "async" if asynchronous else "on_policy"
-    cfg = load_config(["demo"], [f"model.path={warm}", f"data.path={data}", f"train.run_dir={work / name}",
-                                 f"train.steps={steps + 1}", f"train.seed={seed}", "train.save_every=0",
-                                 "train.sample_every=0", "train.progress=false", "train.check_rewards=false",
-                                 "rollout.engine=server", f"rollout.server={address}",
-                                 f"rollout.async={str(asynchronous).lower()}", "data.eval_split=0",
-                                 "algorithm.kl.beta=0", "algorithm.kl.measure_every=0"])   # as measured in docs/rollout.md
+    cfg = load_config(["demo"], overrides(address, warm, data, work / name, asynchronous=asynchronous, steps=steps,
+                                          seed=seed))
     torch.manual_seed(seed)
     tr = build_run(cfg, model=load_model(warm, dtype="float32", device="cpu"), tokenizer=load_tokenizer(warm),
                    health=False, report=False)
@@ -59,13 +75,7 @@ def run_mode(address: str, warm: Path, data: Path, work: Path, *, asynchronous: 
 
     tr.train(progress=progress)
     tr.engine.close()
-    gaps = [b - a for a, b in zip(marks[1:], marks[2:])]          # after the warm-up step
-    return {"mode": name, "steps": len(gaps), "step_s_median": statistics.median(gaps),
-            "step_s_mean": statistics.fmean(gaps),
-            "rollout_wait_s_mean": statistics.fmean(r["time/rollout"] for r in rows[1:]),
-            "update_s_mean": statistics.fmean(r["time/update"] for r in rows[1:]),
-            "staleness": sorted({r.get("rollout/staleness") for r in rows[1:]}),
-            "reward_mean_last5": statistics.fmean(r["reward/mean"] for r in rows[-5:])}
+    return summary(name, [b - a for a, b in zip(marks[1:], marks[2:])], rows[1:])    # after the warm-up step
 
 
 def run_mode_ranks(nproc: int, address: str, warm: Path, data: Path, work: Path, *, asynchronous: bool,
@@ -79,24 +89,15 @@ def run_mode_ranks(nproc: int, address: str, warm: Path, data: Path, work: Path,
     run_dir = work / f"{name}-{nproc}ranks"
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
             "127.0.0.1", "--master-port", str(free_port()), "-m", "grpokit", "train", "demo",
-            f"model.path={warm}", f"data.path={data}", f"train.run_dir={run_dir}", f"train.steps={steps + 1}",
-            f"train.seed={seed}", "train.save_every=0", "train.save_every_minutes=0", "train.sample_every=0",
-            "train.progress=false", "train.check_rewards=false", "train.eval_every=0", "rollout.engine=server",
-            f"rollout.server={address}", f"rollout.async={str(asynchronous).lower()}", "data.eval_split=0",
-            "algorithm.kl.beta=0", "algorithm.kl.measure_every=0", "train.dist_timeout_s=300"]
+            *overrides(address, warm, data, run_dir, asynchronous=asynchronous, steps=steps, seed=seed),
+            "train.eval_every=0", "train.dist_timeout_s=300"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise SystemExit(f"the {name} run failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "time/step" in r][1:]                # after the warm-up step
-    times = [r["time/step"] for r in rows]
-    return {"mode": name, "steps": len(times), "step_s_median": statistics.median(times),
-            "step_s_mean": statistics.fmean(times),
-            "rollout_wait_s_mean": statistics.fmean(r["time/rollout"] for r in rows),
-            "update_s_mean": statistics.fmean(r["time/update"] for r in rows),
-            "staleness": sorted({r.get("rollout/staleness") for r in rows}),
-            "reward_mean_last5": statistics.fmean(r["reward/mean"] for r in rows[-5:])}
+    return summary(name, [r["time/step"] for r in rows], rows)
 
 
 def main() -> None:

@@ -213,7 +213,7 @@ def merged_state_dict(model, *, adapters: bool = True) -> dict[str, torch.Tensor
             if key in out or (module._non_persistent_buffers_set and pname in module._non_persistent_buffers_set):
                 continue
             out[key] = (_dequantized(prm) if getattr(prm, "quant_state", None) is not None else prm.detach()).to("cpu", copy=True)
-    if getattr(base.config, "tie_word_embeddings", False):
+    if getattr(getattr(base, "config", None), "tie_word_embeddings", False):
         out.pop("lm_head.weight", None)                          # tied: saved once, as the embedding
     return {k: v.contiguous() for k, v in out.items()}
 
@@ -253,9 +253,10 @@ def adapter_update(model) -> tuple[list[tuple[str, torch.Tensor]], dict[str, dic
     return (tensors, specs) if specs else None
 
 
-def merged_copy(model):
-    """A plain transformers model of a PEFT model's base architecture holding its merged weights,
-    built out of place (the adapters stay), on the model's device."""
+def merged_copy(model, *, adapters: bool = True):
+    """A plain transformers model of a PEFT model's base architecture holding its merged weights
+    (`adapters=False`: its base weights alone), built out of place (the adapters stay), on the
+    model's device."""
     import copy
 
     from transformers import AutoModelForCausalLM
@@ -263,7 +264,7 @@ def merged_copy(model):
     config = copy.deepcopy(model.get_base_model().config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    merged = merged_state_dict(model)
+    merged = merged_state_dict(model, adapters=adapters)
     plain = AutoModelForCausalLM.from_config(config, dtype=next(iter(merged.values())).dtype)
     plain.load_state_dict(merged, strict=False)        # a tied LM head is not in the merged dict
     return plain.to(next(model.parameters()).device)

@@ -155,6 +155,10 @@ class PendingRollout(InThread):
         return self.engine._batch(self.prompt_ids, self.params, super().result())
 
 
+def tensor_bytes(named_tensors) -> int:
+    return sum(t.numel() * t.element_size() for _, t in named_tensors)
+
+
 def weight_parts(named_tensors, bucket_bytes: int):
     """(tensors, bytes, last) parts of about `bucket_bytes` (0: one part) from `named_tensors`, taken
     as it yields them: a part is handed on once the next tensor shows it is not the last, so at
@@ -235,28 +239,7 @@ class ServerEngine:
         from `named_tensors` as it yields them (a sharded trainer gathers one tensor at a time), so
         at most one part is held here. A client that does not send weights consumes the iterator
         (its gathers are collective) and waits for the server to reach `version`."""
-        version = self.version + 1 if version is None else int(version)
-        t0, sent, parts = time.perf_counter(), 0, 0
-        self._check_instance(self.http.call("GET", "/version"))
-        if not self.sends_weights:
-            for _ in named_tensors:
-                pass
-            if self.barrier is not None:
-                self.barrier()                       # the sender's push is acknowledged by now
-            self._await_version(version)
-        else:
-            needed = ((n, t) for n, t in named_tensors if n not in self.optional)
-            for bucket, size, last in weight_parts(needed, self.bucket_bytes):
-                self._send_part(bucket, version, parts, last=last)
-                sent, parts = sent + size, parts + 1
-            if not parts:
-                raise RolloutServerError(f"rollout server {self.http.address}: a weight update with no tensors")
-            self.acknowledge(version)
-            self.base_sent = False                # the server's weights are no LoRA base now
-            if self.barrier is not None:
-                self.barrier()
-        self.version = version
-        self.last_sync = {"time/sync": time.perf_counter() - t0, "sync/mb": sent / 2**20, "sync/parts": float(parts)}
+        self._push(named_tensors, None, version)
 
     def needs_base(self) -> bool:
         """Whether the next adapter update must send the base weights first (a sender that has not
@@ -268,28 +251,36 @@ class ServerEngine:
         acknowledgement. `base`: the base weights (an iterator, as `update_weights` takes them), sent
         first in parts when given; the adapters are then the update's last part. Every rank passes
         the same `base` (None or not: under FSDP2 its gathers are collective)."""
+        if base is None and self.needs_base():
+            raise RolloutServerError(f"rollout server {self.http.address}: adapters need the base weights first")
+        self._push(base, (adapters, specs), version)
+
+    def _push(self, stream, adapters: tuple[list, dict] | None, version: int | None) -> None:
+        """One update: the tensors of `stream` in parts (full weights, or with `adapters` the base
+        they fold into), then `adapters` (tensors, specs) as the last part; acknowledged, then the
+        ranks meet at the barrier. A client that does not send consumes `stream` and waits."""
         version = self.version + 1 if version is None else int(version)
         t0, sent, parts = time.perf_counter(), 0, 0
         self._check_instance(self.http.call("GET", "/version"))
         if not self.sends_weights:
-            for _ in base or ():
+            for _ in stream or ():
                 pass
             if self.barrier is not None:
-                self.barrier()
+                self.barrier()                       # the sender's push is acknowledged by now
             self._await_version(version)
         else:
-            if base is not None:
-                needed = ((n, t) for n, t in base if n not in self.optional)
-                for bucket, size, _ in weight_parts(needed, self.bucket_bytes):
-                    self._send_part(bucket, version, parts, last=False, base=True)
-                    sent, parts = sent + size, parts + 1
-            elif not self.base_sent:
-                raise RolloutServerError(f"rollout server {self.http.address}: adapters need the base weights first")
-            self._send_part(adapters, version, parts, last=True, base=base is not None, adapters=specs)
-            sent += sum(t.numel() * t.element_size() for _, t in adapters)
-            parts += 1
+            base = adapters is not None and stream is not None
+            needed = ((n, t) for n, t in stream or () if n not in self.optional)
+            for bucket, size, last in weight_parts(needed, self.bucket_bytes):
+                self._send_part(bucket, version, parts, last=last and adapters is None, base=base)
+                sent, parts = sent + size, parts + 1
+            if adapters is not None:
+                self._send_part(adapters[0], version, parts, last=True, base=base, adapters=adapters[1])
+                sent, parts = sent + tensor_bytes(adapters[0]), parts + 1
+            if not parts:
+                raise RolloutServerError(f"rollout server {self.http.address}: a weight update with no tensors")
             self.acknowledge(version)
-            self.base_sent = True
+            self.base_sent = adapters is not None     # merged weights are no LoRA base
             if self.barrier is not None:
                 self.barrier()
         self.version = version

@@ -90,7 +90,6 @@ def _server(model, tokenizer, rollout=None, sends_weights: bool = True, push: bo
         engine = ServerEngine(addresses[0], tokenizer, **options)
     adapters = adapter_update(model) if push and is_peft(model) and engine.takes_adapters else None
     if adapters is not None:                        # LoRA: the base once, then adapters alone
-        engine.needs_base()
         engine.update_adapters(*adapters, base=iter(merged_state_dict(model, adapters=False).items()), version=0)
     elif push:
         weights = merged_state_dict(model) if is_peft(model) else model.state_dict()

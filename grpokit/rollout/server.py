@@ -272,7 +272,7 @@ class RolloutService:
                     with self.engine_lock:
                         if whole and specs is not None:
                             self.engine.load_adapters(named, specs)
-                            self.version, self.partial = req.version, None
+                            self.version = req.version
                         elif whole:
                             self.engine.update_weights(named, version=req.version)
                             self.version, self.broken, self.partial = req.version, None, None   # any parts before: superseded

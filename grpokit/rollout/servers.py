@@ -25,7 +25,7 @@ import torch
 
 from grpokit.errors import ConfigError
 from grpokit.rollout.base import NonFiniteLogits, PromptStreams, RolloutBatch, SamplingParams, concat_batches
-from grpokit.rollout.client import InThread, KeyRefused, RolloutServerError, ServerEngine, weight_parts
+from grpokit.rollout.client import InThread, KeyRefused, RolloutServerError, ServerEngine, tensor_bytes, weight_parts
 
 log = logging.getLogger("grpokit.rollout")
 
@@ -136,42 +136,7 @@ class ServerPool:
 
     # ---------------------------------------------------------------------------- weights
     def update_weights(self, named_tensors, version: int | None = None) -> None:
-        version = self.version + 1 if version is None else int(version)
-        t0, sent, parts = time.perf_counter(), 0, 0
-        if not self.sends_weights:
-            for _ in named_tensors:
-                pass
-            if self.barrier is not None:
-                self.barrier()
-            self._keep_current(version)
-        else:
-            self._revive()
-            targets = self.live()
-            if not targets:
-                raise self._none_left()
-            optional = set.intersection(*(self.clients[a].optional for a in targets))
-            needed = ((n, t) for n, t in named_tensors if n not in optional)     # a tied LM head: not sent
-            for bucket, size, last in weight_parts(needed, int(self.options.get("bucket_mb", 512.0) * 2**20)):
-                for a in list(targets):
-                    try:
-                        self.clients[a]._send_part(bucket, version, parts, last=last)
-                    except RolloutServerError as exc:
-                        self._drop(a, exc)
-                        targets.remove(a)
-                sent, parts = sent + size, parts + 1
-            for a in list(targets):
-                try:
-                    self.clients[a].acknowledge(version)
-                    self.clients[a].version, self.clients[a].base_sent = version, False
-                except RolloutServerError as exc:
-                    self._drop(a, exc)
-            if not self.live():
-                raise self._none_left()
-            if self.barrier is not None:
-                self.barrier()
-        self.version = version
-        self.last_sync = {"time/sync": time.perf_counter() - t0, "sync/mb": sent / 2**20, "sync/parts": float(parts),
-                          "rollout/servers": float(len(self.live()))}
+        self._push(named_tensors, None, version)
 
     @property
     def takes_adapters(self) -> bool:
@@ -188,46 +153,57 @@ class ServerPool:
     def update_adapters(self, adapters: list, specs: dict[str, dict], base=None, version: int | None = None) -> None:
         """A LoRA run's adapters to every live server; those without the base get it first, in
         parts read once from `base` (grpokit.rollout.client.ServerEngine.update_adapters)."""
+        self._push(base, (adapters, specs), version)
+
+    def _push(self, stream, adapters: tuple[list, dict] | None, version: int | None) -> None:
+        """One update to every live server, `stream` read once: full weights go to all of them; with
+        `adapters` (tensors, specs), `stream` is the base and goes only to the servers without it,
+        and the adapters go to all (after the base: as its last part). A server that fails is dropped."""
         version = self.version + 1 if version is None else int(version)
         t0, sent, parts = time.perf_counter(), 0, 0
         if not self.sends_weights:
-            for _ in base or ():
+            for _ in stream or ():
                 pass
             if self.barrier is not None:
                 self.barrier()
             self._keep_current(version)
         else:
+            if adapters is None:
+                self._revive()
             targets = self.live()
             if not targets:
                 raise self._none_left()
-            fresh = [a for a in targets if self.clients[a].needs_base()]
-            if fresh and base is None:
-                raise RolloutServerError(f"rollout servers {', '.join(fresh)} need the base weights first")
-            if fresh:
-                optional = set.intersection(*(self.clients[a].optional for a in fresh))
-                needed = ((n, t) for n, t in base if n not in optional)
-                for bucket, size, _ in weight_parts(needed, int(self.options.get("bucket_mb", 512.0) * 2**20)):
-                    for a in list(fresh):
-                        try:
-                            self.clients[a]._send_part(bucket, version, parts, last=False, base=True)
-                        except RolloutServerError as exc:
-                            self._drop(a, exc)
-                            fresh.remove(a)
-                            targets.remove(a)
-                    sent, parts = sent + size, parts + 1
-            elif base is not None:
-                for _ in base:                          # the other ranks read it too
-                    pass
-            for a in list(targets):
+            streamed = list(targets) if adapters is None else [a for a in targets if self.clients[a].needs_base()]
+            if streamed and stream is None:
+                raise RolloutServerError(f"rollout servers {', '.join(streamed)} need the base weights first")
+            optional = set.intersection(*(self.clients[a].optional for a in streamed)) if streamed else set()
+            needed = ((n, t) for n, t in stream or () if n not in optional)   # a tied LM head: not sent
+            for bucket, size, last in weight_parts(needed, int(self.options.get("bucket_mb", 512.0) * 2**20)):
+                for a in list(streamed):      # read to the end even with no receiver (the gathers are collective)
+                    try:
+                        self.clients[a]._send_part(bucket, version, parts, last=last and adapters is None,
+                                                   base=adapters is not None)
+                    except RolloutServerError as exc:
+                        self._drop(a, exc)
+                        streamed.remove(a)
+                        targets.remove(a)
+                sent, parts = sent + size, parts + 1
+            if adapters is not None:
+                for a in list(targets):
+                    first = a in streamed
+                    try:
+                        self.clients[a]._send_part(adapters[0], version, parts if first else 0, last=True, base=first,
+                                                   adapters=adapters[1])
+                    except RolloutServerError as exc:
+                        self._drop(a, exc)
+                        targets.remove(a)
+                sent, parts = sent + tensor_bytes(adapters[0]), parts + 1
+            for a in targets:
                 try:
-                    client = self.clients[a]
-                    first = a in fresh
-                    client._send_part(adapters, version, parts if first else 0, last=True, base=first, adapters=specs)
-                    client.acknowledge(version)
-                    client.version, client.base_sent = version, True
+                    self.clients[a].acknowledge(version)
+                    self.clients[a].version, self.clients[a].base_sent = version, adapters is not None
                 except RolloutServerError as exc:
                     self._drop(a, exc)
-            sent, parts = sent + sum(t.numel() * t.element_size() for _, t in adapters), parts + 1
             if not self.live():
                 raise self._none_left()
             if self.barrier is not None:

@@ -74,12 +74,9 @@ def _plain_model(model, merged: bool = True):
     (`merged=False`: the base weights, which vLLM's LoRA applies adapters to)."""
     if not hasattr(model, "get_base_model"):
         return model
-    from grpokit.models.lora import merged_copy, merged_state_dict
+    from grpokit.models.lora import merged_copy
 
-    plain = merged_copy(model)
-    if not merged:
-        plain.load_state_dict(merged_state_dict(model, adapters=False), strict=False)
-    return plain
+    return merged_copy(model, adapters=merged)
 
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)     # vLLM's allowed `max_lora_rank` values

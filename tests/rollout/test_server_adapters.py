@@ -6,6 +6,7 @@ The server runs in a thread of the test process (tests/rollout/server_proc.py)."
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -13,7 +14,6 @@ import torch
 from grpokit.config import LoraSection
 from grpokit.models import load_model, load_tokenizer
 from grpokit.models.lora import adapter_update, merged_state_dict, wrap_lora
-from grpokit.rollout.adapters import lora_delta
 from grpokit.rollout.base import SamplingParams
 from grpokit.rollout.client import RolloutServerError, ServerEngine
 from grpokit.rollout.server import tensor_checksum
@@ -116,7 +116,7 @@ def test_malformed_adapter_updates_are_refused_before_anything_moves(setup):
             status, body, _ = request(address, "POST", "/update_weights",
                                       {"version": 1, "tensors": tensors, "adapters": adapters})
             assert status == 400, body
-            assert pytest.importorskip("re").search(why, body["error"]), body["error"]
+            assert re.search(why, body["error"]), body["error"]
         status, body, _ = request(address, "POST", "/update_weights", {
             "version": 1, "tensors": [meta(n, s) for n, s in shapes.items()], "adapters": specs, "part": 0, "last": False})
         assert status == 400 and "as a whole update or as the last part" in body["error"]
@@ -127,15 +127,33 @@ def test_malformed_adapter_updates_are_refused_before_anything_moves(setup):
         assert service.version == 0
 
 
-def test_lora_delta_is_peft_s_merge_for_half_and_transposed_layers():
-    g = torch.Generator().manual_seed(0)
-    A, B = torch.randn(4, 6, generator=g), torch.randn(5, 4, generator=g)
-    want = (B @ A) * 0.5
-    assert torch.equal(lora_delta(A, B, 0.5), want)
-    assert torch.equal(lora_delta(A, B, 0.5, fan_in_fan_out=True), want.T)
-    Ah, Bh = A.bfloat16(), B.bfloat16()
-    assert torch.equal(lora_delta(Ah, Bh, 0.5, fp32=True), ((Bh.float() @ Ah.float()) * 0.5).bfloat16())
-    assert lora_delta(Ah, Bh, 0.5).dtype == torch.bfloat16
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fold_equals_peft_s_merge_for_linear_and_conv1d_layers(dtype):
+    """A linear layer and a GPT-2 style Conv1D (its weight stored transposed: peft's
+    fan_in_fan_out), in float32 and bfloat16 (peft's half-precision CPU path goes through float32):
+    the server's fold of `adapter_update` gives peft's own merge (`merged_state_dict`), bit for bit."""
+    from peft import LoraConfig, get_peft_model
+    from transformers.pytorch_utils import Conv1D
+
+    from grpokit.rollout.adapters import AdapterMerger
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.conv = torch.nn.Linear(6, 5), Conv1D(5, 6)
+
+    torch.manual_seed(0)
+    model = get_peft_model(Two().to(dtype), LoraConfig(r=4, lora_alpha=8, target_modules=["lin", "conv"]),
+                           autocast_adapter_dtype=False)                 # adapters in the model's dtype
+    _shake(model, seed=1)
+    ad, specs = adapter_update(model)
+    assert specs["conv"]["fan_in_fan_out"] and specs["lin"]["fp32"] == (dtype == torch.bfloat16)
+    state = merged_state_dict(model, adapters=False)
+    AdapterMerger().apply(state, dict(ad), specs)
+    want = merged_state_dict(model)
+    for name in ("lin.weight", "conv.weight"):
+        assert torch.equal(state[name], want[name]), name
+        assert not torch.equal(state[name], merged_state_dict(model, adapters=False)[name])
 
 
 @pytest.mark.parametrize("adapters", [True, False])
