@@ -195,13 +195,5 @@ class RolloutConfig(_Section):
             if self.agent.loop and (self.env or self.tools):
                 raise check_failed("rollout.agent.loop plays its own episodes: give it or rollout.env / rollout.tools, "
                                    "not both")
-            if self.engine not in ("hf", "hf_copy"):
-                raise check_failed(f"multi-turn episodes (rollout.env / rollout.tools / rollout.agent.loop) run on "
-                                   f"rollout.engine hf or "
-                                   f"hf_copy for now, not {self.engine}")
-            if self.async_:
-                raise check_failed("multi-turn episodes do not run with rollout.async yet")
-            if cfg.train.distributed in ("ddp", "fsdp2"):
-                raise check_failed("multi-turn episodes do not run under train.distributed yet")
             if cfg.algorithm.rewrite.enabled:
                 raise check_failed("algorithm.rewrite is for single-turn completions, not multi-turn episodes")

@@ -42,6 +42,7 @@ class RolloutBatch:
     weights_version: int | None = None   # the weights that sampled it, for engines that hold their own
     action_mask: torch.Tensor | None = None  # [N, L] multi-turn: 1 on sampled tokens, 0 on observations (None: = completion_mask)
     episodes: list[dict] | None = None   # [N] multi-turn: each episode's record (grpokit.rollout.episodes)
+    timing: dict | None = None           # multi-turn: engine calls, rows in them, tool latencies
 
     @property
     def lengths(self) -> torch.Tensor:   # [N]
@@ -199,6 +200,18 @@ class PromptStreams:
     def uniforms(self, n: int) -> torch.Tensor:
         """The next step's numbers: [len(self) * n], prompt after prompt (the engines' row order)."""
         return torch.cat([torch.rand((n,), dtype=torch.float64, generator=g) for g in self.generators])
+
+
+def mix_seed(*values: int) -> int:
+    """A 62-bit seed from integers, in order (splitmix64's finaliser over each): the seed of a
+    stream derived from another's (an episode's turn from its group's stream)."""
+    x = 0
+    for v in values:
+        x = (x + (int(v) & (2**64 - 1)) + 0x9E3779B97F4A7C15) & (2**64 - 1)
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+        x ^= x >> 31
+    return x >> 2
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = 1024) -> torch.Tensor:

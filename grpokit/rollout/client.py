@@ -137,6 +137,10 @@ class InThread:
         finally:
             self.done_at = time.perf_counter()
 
+    def join(self) -> None:
+        """Wait for `fn` to return or raise (what it raised stays for `result`)."""
+        self._thread.join()
+
     def result(self):
         self._thread.join()
         if self._exc is not None:
@@ -207,6 +211,10 @@ class ServerEngine:
                               "with `grpokit rollout-server --model PATH --port PORT`") from None
         self.instance, self.version = health.get("instance"), health.get("version")
         self.vocab_size = health.get("vocab_size")
+        eos = health.get("eos_ids")
+        self.eos_ids = [int(i) for i in eos] if isinstance(eos, list) and eos else None
+        """The tokens that end the server's generations (an episode's turn ends on one), or None
+        (a server too old to say: the tokenizer's EOS is assumed)."""
         self.optional = set(health.get("optional_weights") or [])   # not sent: a tied LM head
         self.takes_adapters = adapters and bool(health.get("adapters"))
         self.base_sent = False                 # a LoRA run's base weights reached this server instance

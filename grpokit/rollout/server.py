@@ -103,6 +103,7 @@ class RolloutService:
         return {"status": "ok", "instance": self.instance, "version": self.version,
                 "group": self.group is not None, **self.info, "optional_weights": self._optional_weights(),
                 "adapters": hasattr(self.engine, "load_adapters"),
+                "eos_ids": [int(i) for i in getattr(self.engine, "eos_ids", None) or []],
                 "requests": {**self.counts, **(http_counts or {})}, "limits": dataclasses.asdict(self.limits)}
 
     def _optional_weights(self) -> list[str]:

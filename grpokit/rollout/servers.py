@@ -58,6 +58,10 @@ class ServerPool:
         self.rate = {a: 1.0 for a in addresses}          # completions per second, once measured
         self.measured: set[str] = set()
         self.pad_id = next(iter(self.clients.values())).pad_id
+        self.eos_ids = next(iter(self.clients.values())).eos_ids
+        if len({tuple(c.eos_ids or ()) for c in self.clients.values()}) > 1:
+            raise ConfigError(f"rollout.server: the servers end generations on different tokens "
+                              f"({ {a: c.eos_ids for a, c in self.clients.items()} }): are they the same model?")
         self.version = 0
         self.barrier = None                   # a data-parallel trainer's barrier (as ServerEngine's)
         self.last_sync: dict[str, float] = {}

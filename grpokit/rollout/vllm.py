@@ -240,14 +240,18 @@ class VLLMEngine:
             dev = generator.device if generator is not None else "cpu"
             base = int(torch.randint(0, 2**30, (1,), generator=generator, device=dev))
             seeds = [base + j * params.n for j in range(len(prompt_ids))]
+        # vLLM refuses n > 1 with greedy sampling: the n copies are then n requests of one each
+        copies = params.n if params.temperature == 0 and params.n > 1 else 1
         requests = [VSamplingParams(
-            n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+            n=params.n // copies, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
             max_tokens=params.max_new_tokens, logprobs=0, seed=seeds[j], detokenize=False,
             ignore_eos=params.ignore_eos, stop_token_ids=[] if params.ignore_eos else list(self.eos_ids))
-            for j in range(len(prompt_ids))]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], requests,
-                                 use_tqdm=False, lora_request=self.lora_request)
-        return self._batch(prompt_ids, params.n, outs)
+            for j in range(len(prompt_ids)) for _ in range(copies)]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids for _ in range(copies)],
+                                 requests, use_tqdm=False, lora_request=self.lora_request)
+        out = self._batch([p for p in prompt_ids for _ in range(copies)], params.n // copies, outs)
+        out.prompt_ids = [list(p) for p in prompt_ids for _ in range(params.n)]
+        return out
 
     def _batch(self, prompt_ids, G, outs) -> RolloutBatch:
         rows, logps, reasons = [], [], []

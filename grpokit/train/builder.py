@@ -260,9 +260,6 @@ def _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, env
         dynamic = DynamicSampling(cfg.rewards[0].name if r.dynamic_sampling_on == "pass" else None,
                                   cfg.algorithm.pass_threshold)
     rewards = build_rewards(cfg)
-    if cfg.rollout.episodes and comm.mode != "none":
-        raise ConfigError("multi-turn episodes (rollout.env / rollout.tools) do not run data-parallel yet: train "
-                          "them in one process")
     collector = Collector(
         engine=engine, encoder=encoder, rewards=rewards, dataset=dataset, comm=comm, gen=gen,
         sampler=PromptSampler(len(dataset), seed=cfg.train.seed, shuffle=cfg.data.shuffle),

@@ -17,7 +17,7 @@ import torch
 from grpokit.data.curriculum import Curriculum
 from grpokit.data.datasets import PromptSampler
 from grpokit.rollout.base import PromptStreams, RolloutBatch, SamplingParams
-from grpokit.rollout.episodes.runner import episode_columns, episode_metrics
+from grpokit.rollout.episodes.runner import episode_columns, episode_counts, episode_metrics
 from grpokit.train import batch as batch_lib
 from grpokit.train.batch import Batch
 from grpokit.train.comm import Comm
@@ -47,7 +47,8 @@ class Collector:
         self.pool_factor, self.pad_id, self.steps = pool_factor, pad_id, steps
         self.overlap = (OneStepOffPolicy(engine, lambda: self.draw_prompts(self.P, self.step_idx),
                                          self.encode_prompts, params, gen, share=comm.my_prompts,
-                                         streams=self._first_round_streams) if async_ else None)
+                                         streams=self._first_round_streams,
+                                         play=self._play if episodes is not None else None) if async_ else None)
         self.step_idx = 0                            # the step being collected (async draws read it)
         self.scored: list[Batch] = []                # every round's scored batch this step, before dynamic
                                                      # sampling drops groups (the curriculum reads them all)
@@ -62,9 +63,24 @@ class Collector:
     def sample(self, rows: list[dict], streams: PromptStreams | None = None) -> RolloutBatch:
         """Completions of `rows` from the run's generator, or one stream per prompt."""
         if self.episodes is not None:
-            return self.episodes.run(rows, self.params, self.gen)
+            return self.episodes.run(rows, self.params, self.gen if streams is None else streams)
         return self.engine.generate([self.encoder.encode(row["prompt"]) for row in rows], self.params,
                                     self.gen if streams is None else streams)
+
+    def _play(self, idx: list[int], generator) -> RolloutBatch:
+        """The episodes of dataset rows `idx` (run in the background with `rollout.async`)."""
+        return self.episodes.run([self.dataset[i] for i in idx], self.params, generator)
+
+    def settle(self) -> dict[str, float]:
+        """Wait for episodes in flight (`rollout.async`) before the weights are pushed: every turn of
+        the next batch's episodes is then sampled by the weights the batch was submitted with, the
+        weights the staleness and the importance correction account for. Single-turn requests need
+        no wait here (a rollout server loads weights only between generations)."""
+        if self.overlap is None or self.episodes is None:
+            return {}
+        t = time.perf_counter()
+        self.overlap.wait()
+        return {"time/rollout_wait": time.perf_counter() - t}
 
     def reward_inputs(self, batch: Batch) -> tuple[list[str], list[str], dict[str, list]]:
         """(prompts, completions, columns) as the rewards see them: every dataset column of the rows
@@ -117,7 +133,7 @@ class Collector:
         self.step_idx = step
         kept: list[Batch] = []
         n_kept, t_roll, t_rew = 0, 0.0, 0.0
-        self.scored = []
+        self.scored, timings = [], []
         self.engine_memory("resume_memory")          # a colocated engine gets its memory back
         for r in range(self.rounds):
             t = time.perf_counter()
@@ -130,6 +146,8 @@ class Collector:
                 rows = [self.dataset[i] for i in idx]
                 rb = self.sample(rows, PromptStreams(seeds) if seeds is not None else None)
             t_roll += time.perf_counter() - t
+            if rb.timing is not None:
+                timings.append(rb.timing)
             if r == 0:
                 staleness = self.staleness(rb, step)
             t = time.perf_counter()
@@ -158,8 +176,12 @@ class Collector:
                    "dynamic/kept_groups": float(n_kept if self.dynamic is not None else P), **staleness}
         batch = batch_lib.concat(kept or [fresh], self.pad_id)
         metrics.update(batch_lib.merged_reward_metrics(kept or [fresh]))
-        if batch.episodes is not None:
-            metrics.update(episode_metrics(batch.episodes, int(batch.action_mask.sum()), int(batch.mask.sum())))
+        if batch.episodes is not None:                # the job's sums and latencies (agreed: not reduced again)
+            counts = comm.all_sum(episode_counts(batch.episodes, int(batch.action_mask.sum()), int(batch.mask.sum()),
+                                                 timings))
+            latencies = [x for rank in comm.gather([x for t in timings for x in t.get("tool_latencies", ())])
+                         for x in rank]
+            metrics.update(episode_metrics(counts, latencies))
         return batch, metrics
 
     def take_scored(self) -> list[Batch]:

@@ -29,6 +29,7 @@ import torch
 
 from grpokit.errors import ConfigError
 from grpokit.rollout.base import PromptStreams, RolloutBatch, SamplingParams
+from grpokit.rollout.client import InThread
 
 
 @dataclass
@@ -45,15 +46,17 @@ class OneStepOffPolicy:
     def __init__(self, engine, draw: Callable[[], list[int]], encode: Callable[[list[int]], list[list[int]]],
                  params: SamplingParams, generator: torch.Generator, *,
                  share: Callable[[list[int]], list[int]] | None = None,
-                 streams: Callable[[int], PromptStreams | None] | None = None):
+                 streams: Callable[[int], PromptStreams | None] | None = None,
+                 play: Callable[[list[int], Any], RolloutBatch] | None = None):
         """`draw()`: the next step's prompts (the global draw); `share(idx)`: this rank's part of it
         (default: all); `streams(step)`: the per-group streams of `step`'s first round, or None to
-        seed the request from `generator`."""
+        seed the request from `generator`; `play(idx, generator)`: multi-turn episodes of rows `idx`,
+        run on a thread of their own (each turn a request to the engine) instead of one request."""
         if not callable(getattr(engine, "submit", None)):
             raise ConfigError(f"rollout.async needs an engine that generates in the background (rollout.engine: "
                               f"server); {type(engine).__name__} does not")
         self.engine, self.draw, self.encode, self.params, self.gen = engine, draw, encode, params, generator
-        self.share = share or (lambda idx: idx)
+        self.share, self.play = share or (lambda idx: idx), play
         self.streams = streams or (lambda step: None)
         self.in_flight: _InFlight | None = None
         self.restored: dict | None = None       # a checkpoint's request, submitted again by `take`
@@ -64,7 +67,17 @@ class OneStepOffPolicy:
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self.gen, device=self.gen.device))
         gen = self.streams(step) or torch.Generator(device=self.gen.device).manual_seed(seed)
-        self.in_flight = _InFlight(idx, seed, self.engine.submit(self.encode(self.share(idx)), self.params, gen))
+        mine = self.share(idx)
+        handle = (InThread(self.play, mine, gen, name="episodes-in-flight") if self.play is not None
+                  else self.engine.submit(self.encode(mine), self.params, gen))
+        self.in_flight = _InFlight(idx, seed, handle)
+
+    def wait(self) -> None:
+        """Block until the generation in flight has finished (its result stays to be taken; an
+        error it raised is raised by `take`)."""
+        job = self.in_flight
+        if job is not None and hasattr(job.handle, "join"):
+            job.handle.join()
 
     def take(self, step: int) -> tuple[list[int], RolloutBatch]:
         """`step`'s batch in flight (submitted now when there is none: the first step, or after a

@@ -146,6 +146,7 @@ class Step:
         m["time/update"] = time.perf_counter() - t
         drift = self.ref_probe.check(self.worker, batch, step_idx) if self.ref_probe is not None else None
         self._after_update(upd.pop("guard/causes"), int(upd.pop("guard/updates_skipped")), step_idx)
+        m.update(self.collector.settle())              # episodes in flight finish on the weights they began with
         m.update(sync_weights(self.engine, self.worker, step_idx + 1, self.comm) or {})  # 7 (after a rollback, too)
         if kl_in_reward is not None:                 # no KL term in the loss: kl/ref is the reward's k1
             upd.update(kl_in_reward)
@@ -166,7 +167,7 @@ class Step:
                "throughput/tokens_per_s": float(batch.lengths.sum()) / max(m["time/step"], 1e-9),
                "memory/rss_mb": rss_mb()}
         # the worker's metrics are already the job's; the rest are reduced over ranks
-        return comm.reduce_metrics(out, agreed=set(upd) | set(BATCH_KEYS))
+        return comm.reduce_metrics(out, agreed=set(upd) | set(BATCH_KEYS) | {k for k in out if k.startswith("agent/")})
 
     @torch.no_grad()
     def measure_kl(self, batch: Batch) -> dict[str, float]:
@@ -262,6 +263,7 @@ class Step:
         learning-rate schedule still advances by the step's updates (it counts training steps)."""
         self.worker.skip_step()
         self._after_update([cause], self.worker.updates_per_step(), step_idx)
+        self.collector.settle()
         sync_weights(self.engine, self.worker, step_idx + 1, self.comm)  # the weights may have been rolled back
         self.last_batch = None
         return {"kl/beta": self.kl_ctl.beta, "optim/lr": self.worker.scheduler.get_last_lr()[0],

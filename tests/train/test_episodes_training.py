@@ -3,7 +3,9 @@ per episode, the same episodes on `hf` and `hf_copy`, resume mid-run, evaluation
 
 from __future__ import annotations
 
+import itertools
 import json
+import time
 
 import pytest
 import torch
@@ -17,11 +19,16 @@ from grpokit.train import build_run
 from tests.fixtures import small_overrides
 from tests.rollout.agent_envs import CalcEnv
 from tests.rollout.test_episodes import CHARS, ScriptedEngine, call, said
+from tests.rollout.test_episodes import CalcEnv as EpisodeCalc
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("episodes")
+    return episode_inputs(tmp_path_factory.mktemp("episodes"))
+
+
+def episode_inputs(root):
+    """(root, model_dir, train.jsonl, tokenizer): a tiny random chat model and four "What is A*B?" rows."""
     tok = build_chat_tokenizer(CHARS)
     model_dir = save_pretrained(build_tiny_model(tok, hidden=32, layers=2, heads=2, intermediate=64,
                                                  max_positions=1024), tok, root / "model")
@@ -178,7 +185,6 @@ def test_evaluation_runs_the_episodes_too(setup, tmp_path, capsys):
 
 @pytest.mark.parametrize("extra, match", [
     ({"rollout.env": "tests.rollout.agent_envs:CalcEnv", "rollout.tools": "[tests.rollout.agent_envs:CalcEnv]"}, "not both"),
-    ({"rollout.env": "tests.rollout.agent_envs:CalcEnv", "rollout.engine": "server", "rollout.server": "h:1"}, "hf or hf_copy"),
     ({"rollout.env": "tests.rollout.agent_envs:CalcEnv", "algorithm.rewrite.enabled": True}, "single-turn"),
 ])
 def test_combinations_episodes_do_not_support_are_refused(setup, extra, match):
@@ -210,3 +216,80 @@ def test_the_kl_charged_to_the_reward_counts_only_the_policy_s_tokens(setup):
     assert (b.mask.bool() & ~act).any()
     assert m["kl/ref"] == pytest.approx(float(k1[act].sum()) / int(act.sum()), rel=1e-6, abs=1e-9)
     assert torch.equal(b.lengths, act.sum(-1))
+
+
+class FaultyCalc(EpisodeCalc):
+    """The calculator, with a reset that fails on one row."""
+
+    def reset(self, **row):
+        if row["prompt"] == "What is 5*9?":
+            raise RuntimeError("no sandbox for this row")
+        return super().reset(**row)
+
+
+def test_a_hung_tool_a_raising_tool_and_a_failed_reset_in_a_batch_of_16_episodes_do_not_end_the_step(setup):
+    """4 prompts x G = 4: in each group one episode's tool hangs past the timeout and one's raises;
+    one row's environment cannot start. The step trains on all 16 episodes, each with its reason."""
+    _, _, _, tok = setup
+    scripts, first_turns = [call("slow"), call("boom"), call("12*3"), "I think 36"], itertools.count()
+    engine = ScriptedEngine(tok, lambda t, k: said(tok, scripts[next(first_turns) % 4]) if t == 0 else said(tok, "36"))
+    cfg = load_config(None, overrides(setup, "faults", **{     # fewer workers than hung tools: the healthy
+        "rollout.max_new_tokens": 300, "rollout.group_size": 4, "rollout.batch_size": 16,   # calls still run
+        "optim.micro_batch_size": 16, "rollout.agent.tool_timeout_s": 0.5, "rollout.agent.tool_workers": 2}))
+    torch.manual_seed(0)
+    tr = build_run(cfg, engine=engine, env=EnvSpec(FaultyCalc), health=False, report=False)
+    t0 = time.monotonic()
+    m = tr.step()
+    assert time.monotonic() - t0 < 4.5 + 30            # the hung tools (5 s each) were not waited for
+    eps = tr.last_batch.episodes
+    assert len(eps) == 16
+    started = [e for e in eps if e["stop_reason"] != "env_error"]
+    assert len(started) == 12 and [e["stop_reason"] for e in eps].count("env_error") == 4
+    assert sum(e["tool_timeouts"] for e in started) == 3 and all(e["stop_reason"] == "stop" for e in started)
+    answers = [m["content"] for e in started for m in e["messages"] if m["role"] == "tool"]
+    assert answers.count("36") == 3                                   # the healthy calls were answered
+    assert sum(e["tool_errors"] for e in started) == 6                # 3 timeouts + 3 raised
+    assert m["agent/stop_env_error"] == pytest.approx(0.25) and m["agent/tool_timeouts"] == 3
+    empty = [i for i, e in enumerate(eps) if e["stop_reason"] == "env_error"]
+    assert int(tr.last_batch.action_mask[empty].sum()) == 0 and torch.isfinite(torch.tensor(m["loss/policy"]))
+
+
+def test_an_environment_that_cannot_start_on_any_row_is_one_line(setup):
+    class Broken(EpisodeCalc):
+        def reset(self, **row):
+            raise KeyError("answer")
+
+    _, _, _, tok = setup
+    tr = build_run(load_config(None, overrides(setup, "broken")), engine=ScriptedEngine(tok, lambda t, k: said(tok, "x")),
+                   env=EnvSpec(Broken), health=False, report=False)
+    with pytest.raises(ConfigError, match=r"Broken: the environment's reset\(\) failed: KeyError.*every row"):
+        tr.step()
+
+
+def test_episode_timing_concurrency_and_tool_latencies_are_reported(setup):
+    """agent/episode_{generate,env,wait}_s (mean seconds per episode), agent/turn_batch_mean (live
+    episodes per engine call) and the tool-call latency percentiles."""
+    _, _, _, tok = setup
+
+    class SlowCalc(EpisodeCalc):
+        def calculator(self, expression: str) -> str:
+            """Evaluate an arithmetic expression.
+
+            Args:
+                expression: digits and + - *, e.g. 12*3
+            """
+            time.sleep(0.2)
+            return str(eval(expression, {"__builtins__": {}}))    # noqa: S307 - the script's expression
+
+    calls = itertools.count()
+    engine = ScriptedEngine(tok, lambda t, k: said(tok, call("12*3") if t == 0 and next(calls) % 2 == 0 else "36"))
+    cfg = load_config(None, overrides(setup, "timing", **{"rollout.max_new_tokens": 300, "rollout.agent.tool_workers": 4}))
+    tr = build_run(cfg, engine=engine, env=EnvSpec(SlowCalc), health=False, report=False)
+    m = tr.step()
+    # 4 episodes: 2 call the tool (one 0.2 s turn of tools), 2 answer at once and wait for them
+    assert m["agent/turn_batch_mean"] == pytest.approx((4 + 2) / 2)
+    assert 0.2 <= m["agent/tool_latency_p50"] <= m["agent/tool_latency_max"] < 2
+    assert m["agent/episode_env_s"] == pytest.approx(sum(e["time_env"] for e in tr.last_batch.episodes) / 4)
+    called = [e for e in tr.last_batch.episodes if e["tool_calls"]]
+    assert len(called) == 2 and all(e["time_env"] >= 0.2 for e in called)
+    assert all(e["time_wait"] >= 0.15 for e in tr.last_batch.episodes if not e["tool_calls"])

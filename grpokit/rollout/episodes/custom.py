@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from grpokit.errors import ConfigError
-from grpokit.rollout.base import RolloutBatch, SamplingParams
+from grpokit.rollout.base import PromptStreams, RolloutBatch, SamplingParams, mix_seed
 
 log = logging.getLogger("grpokit.rollout")
 
@@ -102,6 +102,7 @@ class _Hub:
         self.finished: set[int] = set()
         self.abandoned: set[int] = set()
         self.calls = 0
+        self.per_episode = [0] * n             # generate calls each episode has made (its streams' turn)
 
     def request(self, i: int, prompt: list[int], want: int) -> Sampled:
         with self.cv:
@@ -144,9 +145,15 @@ class _Hub:
             if not batch:
                 continue
             want = max(m for _, (_, m) in batch)
+            gen = self.generator
+            if isinstance(gen, PromptStreams):     # a data-parallel job's groups: per episode and call
+                G = self.n // len(gen)
+                gen = PromptStreams([mix_seed(gen.seeds[i // G], i % G, self.per_episode[i]) for i, _ in batch])
+            for i, _ in batch:
+                self.per_episode[i] += 1
             try:
                 out = self.engine.generate([p for _, (p, _) in batch], replace(self.params, n=1, max_new_tokens=want),
-                                           self.generator)
+                                           gen)
             except BaseException:
                 with self.cv:                 # no episode waits on an engine that has failed
                     self.abandoned |= set(range(self.n)) - self.finished

@@ -141,62 +141,85 @@ class EnvSpec:
 class ToolPool:
     """Runs tool calls off the decoding thread. Each episode's calls of a turn are one job, run in
     order on a thread of its own (an environment instance never runs two calls at once); at most
-    `workers` calls run at a time; a job's calls must all be done within `timeout_s` per call from
-    when the job was submitted, and a call not done by then is an error observation. Threads are
-    daemons: a tool that never returns cannot hold the process at exit. A thread cannot be killed,
-    so a hung call keeps running in the background (`hung` counts them, and their worker slots are
-    given back so the pool does not fill up); a tool that can hang or runs untrusted code should do
-    its work in a process, as the code sandbox does."""
+    `workers` calls run at a time, and each call has `timeout_s` from when it starts running (a call
+    waiting for a worker is not charged, so a few hung tools cannot time out the healthy calls
+    queued behind them); a call not done by then is an error observation, and the calls after it in
+    its job are not run. Threads are daemons: a tool that never returns cannot hold the process at
+    exit. A thread cannot be killed, so a hung call keeps running in the background (`hung` counts
+    them, and their worker slots are given back at their deadline so the pool does not fill up); a
+    tool that can hang or runs untrusted code should do its work in a process, as the code sandbox
+    does. A turn whose calls all hang takes about ceil(calls / workers) x `timeout_s`."""
 
     def __init__(self, workers: int, timeout_s: float):
         self.workers, self.timeout_s = workers, timeout_s
         self.slots = threading.Semaphore(workers)
         self.hung = 0
+        self.latencies: list[float] = []      # seconds of each finished call (timeouts at the timeout)
+        self._lat_lock = threading.Lock()
+
+    def take_latencies(self) -> list[float]:
+        """The calls' latencies since the last take (what `agent/tool_latency_*` report)."""
+        with self._lat_lock:
+            out, self.latencies = self.latencies, []
+        return out
 
     def run(self, jobs: list[list[tuple[str, Callable[[], Any]]]]) -> list[list[tuple[Any, str | None]]]:
         """For each job (a list of (label, call) pairs), each call's (value, None) or (message,
         "error" | "timeout")."""
         boxes = [[None] * len(job) for job in jobs]
-        states = [{"holding": False, "abandoned": False, "lock": threading.Lock()} for _ in jobs]
-        threads, start = [], time.monotonic()
+        states = [{"holding": False, "since": 0.0, "abandoned": False, "done": False} for _ in jobs]
+        cv = threading.Condition()
 
         def work(job, box, st):
-            for k, (label, fn) in enumerate(job):
-                self.slots.acquire()
-                with st["lock"]:
-                    if st["abandoned"]:                 # its time ran out while it waited for a slot
-                        self.slots.release()
-                        return
-                    st["holding"] = True
-                try:
-                    box[k] = (fn(), None)
-                except Exception as exc:  # noqa: BLE001 - a failing tool is an observation, not a crash
-                    log.debug("%s raised", label, exc_info=True)
-                    box[k] = (f"{label} failed: {type(exc).__name__}: {exc}", "error")
-                finally:
-                    with st["lock"]:
+            try:
+                for k, (label, fn) in enumerate(job):
+                    self.slots.acquire()
+                    with cv:
+                        st["holding"], st["since"] = True, time.monotonic()
+                        cv.notify_all()               # the waiter learns this call's deadline
+                    try:
+                        box[k] = (fn(), None)
+                    except Exception as exc:  # noqa: BLE001 - a failing tool is an observation, not a crash
+                        log.debug("%s raised", label, exc_info=True)
+                        box[k] = (f"{label} failed: {type(exc).__name__}: {exc}", "error")
+                    with cv:
+                        if st["abandoned"]:           # timed out: the waiter gave the slot back already
+                            return
                         st["holding"] = False
-                        if not st["abandoned"]:         # else the waiter gave the slot back already
-                            self.slots.release()
+                        self.slots.release()
+                        self._latency(time.monotonic() - st["since"])
+            finally:
+                with cv:
+                    st["done"] = True
+                    cv.notify_all()
 
         for job, box, st in zip(jobs, boxes, states):
-            t = threading.Thread(target=work, args=(job, box, st), name="grpokit-tool", daemon=True)
-            t.start()
-            threads.append(t)
-        out = []
-        for job, box, st, t in zip(jobs, boxes, states, threads):
-            t.join(max(0.0, start + self.timeout_s * max(1, len(job)) - time.monotonic()))
-            with st["lock"]:
-                if t.is_alive():
-                    st["abandoned"] = True
-                    if st["holding"]:                   # a hung call: its slot back, it runs on beside the pool
+            threading.Thread(target=work, args=(job, box, st), name="grpokit-tool", daemon=True).start()
+        with cv:
+            while True:
+                now, wake, freed = time.monotonic(), None, False
+                pending = [st for st in states if not st["done"] and not st["abandoned"]]
+                if not pending:
+                    break
+                for st in pending:
+                    if not st["holding"]:
+                        continue
+                    deadline = st["since"] + self.timeout_s
+                    if now >= deadline:               # a hung call: its slot back, it runs on beside the pool
+                        st["abandoned"], st["holding"], freed = True, False, True
                         self.hung += 1
                         self.slots.release()
-                res = [box[k] if box[k] is not None else
-                       (f"{label} did not answer within {self.timeout_s:g} s", "timeout")
-                       for k, (label, _) in enumerate(job)]
-            out.append(res)
-        return out
+                        self._latency(self.timeout_s)
+                    else:
+                        wake = deadline if wake is None else min(wake, deadline)
+                if not freed:                         # else look again: that may have been the last one
+                    cv.wait(None if wake is None else max(wake - now, 0.001))
+        return [[box[k] if box[k] is not None else (f"{label} did not answer within {self.timeout_s:g} s", "timeout")
+                 for k, (label, _) in enumerate(job)] for job, box in zip(jobs, boxes)]
+
+    def _latency(self, seconds: float) -> None:
+        with self._lat_lock:
+            self.latencies.append(seconds)
 
     def close(self) -> None:
         """Nothing to stop: the threads are daemons."""

@@ -32,20 +32,21 @@ each carrying the episode's one advantage.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from grpokit.errors import ConfigError
-from grpokit.rollout.base import RolloutBatch, SamplingParams
+from grpokit.rollout.base import PromptStreams, RolloutBatch, SamplingParams, mix_seed
 from grpokit.rollout.episodes.chat import ChatTokens, NotPrefixPreserving
 from grpokit.rollout.episodes.env import EnvSpec, ToolPool
 from grpokit.rollout.episodes.parse import parse_tool_calls
 
 log = logging.getLogger("grpokit.rollout")
 
-STOP_REASONS = ("stop", "length", "max_turns", "tool_error", "timeout")
+STOP_REASONS = ("stop", "length", "max_turns", "tool_error", "timeout", "env_error")
 
 
 @dataclass
@@ -67,6 +68,7 @@ class Episode:
     env: Any
     messages: list[dict]
     prompt_ids: list[int]
+    budget: int = 0                     # tokens over all turns and observations
     ids: list[int] = field(default_factory=list)
     action: list[int] = field(default_factory=list)
     logp: list[float] = field(default_factory=list)
@@ -79,6 +81,9 @@ class Episode:
     stop_reason: str | None = None
     final: str = ""
     segments: list[tuple[list[int], list[int], list[float]]] = field(default_factory=list)
+    t_generate: float = 0.0             # seconds in the engine calls that sampled its turns
+    t_env: float = 0.0                  # seconds in the tool / environment calls of its turns
+    t_wait: float = 0.0                 # the rest of the batch's wall time: waiting for other episodes
 
     def append(self, ids: list[int], logp: list[float] | None) -> None:
         self.ids += ids
@@ -91,7 +96,8 @@ class Episode:
         return {"stop_reason": self.stop_reason, "turns": self.turns, "tool_calls": self.tool_calls,
                 "tool_errors": self.tool_errors, "tool_timeouts": self.tool_timeouts,
                 "parse_failures": self.parse_failures,
-                "obs_tokens": self.obs_tokens, "messages": self.messages, "final": self.final, "env": self.env}
+                "obs_tokens": self.obs_tokens, "messages": self.messages, "final": self.final, "env": self.env,
+                "time_generate": self.t_generate, "time_env": self.t_env, "time_wait": self.t_wait}
 
 
 class EpisodeRunner:
@@ -119,43 +125,74 @@ class EpisodeRunner:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     # ------------------------------------------------------------------------------ start
-    def _start(self, row: dict) -> Episode:
-        env = self.spec.build()
-        try:
-            first = env.reset(**row)
-        except Exception as exc:  # noqa: BLE001 - a row the environment cannot start from
-            raise ConfigError(f"rollout.env {type(env).__name__}.reset failed on a row ({type(exc).__name__}: "
-                              f"{exc}); row keys: {sorted(row)}") from None
-        prompt = row["prompt"] if first is None else first
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
-        return Episode(row=row, env=env, messages=messages, prompt_ids=self.chat.prompt_ids(messages))
+    def _start(self, rows: list[dict], G: int, budget: int) -> list[Episode]:
+        """`G` episodes per row, their environments reset in the tool pool (off the generation path,
+        within `tool_timeout_s`). An episode whose reset raises or hangs is recorded as stopped
+        (`env_error`, trained as empty) and the others play on; every reset of a batch failing is
+        a one-line error (the environment cannot start from these rows at all)."""
+        envs = [(row, self.spec.build()) for row in rows for _ in range(G)]
+        results = self.pool.run([[("the environment's reset()", lambda env=env, row=row: env.reset(**row))]
+                                 for row, env in envs])
+        eps, failed = [], []
+        for (row, env), [(first, err)] in zip(envs, results):
+            if err is not None:
+                failed.append(first)
+                first = None
+            prompt = row.get("prompt", "") if first is None else first
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+            try:
+                prompt_ids = self.chat.prompt_ids(messages)
+            except Exception as exc:  # noqa: BLE001 - the template cannot render this prompt
+                raise _template_failed(exc) from None
+            eps.append(Episode(row=row, env=env, messages=messages, prompt_ids=prompt_ids, budget=budget,
+                               stop_reason="env_error" if err is not None else None))
+        if failed and len(failed) == len(eps):
+            raise ConfigError(f"rollout.env {type(envs[0][1]).__name__}: {failed[0]} on every row of the batch; "
+                              f"row keys: {sorted(rows[0])}")
+        if failed:
+            log.warning("%d of %d episodes could not start and train as empty (env_error): %s",
+                        len(failed), len(eps), failed[0])
+        return eps
 
     # ------------------------------------------------------------------------------ the loop
     def run(self, rows: list[dict], params: SamplingParams, generator=None) -> RolloutBatch:
         """`params.n` episodes per row (group after group); `params.max_new_tokens` is each episode's
-        budget over all its turns and observations."""
+        budget over all its turns and observations. `generator`: the run's generator, or a
+        `PromptStreams` (one stream per row: a data-parallel job's groups, whose episodes then
+        sample the same whichever rank or batch plays them; `turn_streams`)."""
         G, budget = params.n, params.max_new_tokens
-        self._budget, self._resampled, self._versions = budget, 0, []
-        eps = [self._start(row) for row in rows for _ in range(G)]
-        turn = 0
+        streams = generator if isinstance(generator, PromptStreams) else None
+        if streams is not None and len(streams) != len(rows):
+            raise ValueError(f"{len(streams)} prompt streams for {len(rows)} rows")
+        resampled, versions = 0, []           # local: a runner may play episodes on two threads
+        t_run = time.perf_counter()
+        eps = self._start(rows, G, budget)
+        self.pool.take_latencies()            # the resets': not tool calls
+        turn, widths = 0, []
         while True:
-            live = [e for e in eps if e.stop_reason is None]
+            where = [i for i, e in enumerate(eps) if e.stop_reason is None]
+            live = [eps[i] for i in where]
             if not live:
                 break
             room = max(budget - len(e.ids) for e in live)
             one = replace(params, n=1, max_new_tokens=room)
-            shared = turn == 0 and all(eps[i * G].prompt_ids == eps[i * G + k].prompt_ids
+            shared = turn == 0 and len(live) == len(eps) and all(eps[i * G].prompt_ids == eps[i * G + k].prompt_ids
                                        for i in range(len(rows)) for k in range(G))
+            t = time.perf_counter()
             if shared:
                 out = self.engine.generate([eps[i * G].prompt_ids for i in range(len(rows))],
                                            replace(one, n=G), generator)
             else:
                 contexts = [self._context(e) for e in live]
-                out = self.engine.generate(contexts, one, generator)
+                gen = generator if streams is None else turn_streams(
+                    streams, where, G, turn)
+                out = self.engine.generate(contexts, one, gen)
+            t_gen = time.perf_counter() - t
+            widths.append(len(live))
             lengths = out.completion_mask.sum(-1).tolist()
-            self._resampled += int(out.resampled)
+            resampled += int(out.resampled)
             if out.weights_version is not None:
-                self._versions.append(int(out.weights_version))
+                versions.append(int(out.weights_version))
             for k, e in enumerate(live):
                 n = min(int(lengths[k]), budget - len(e.ids))
                 ids, logp = out.completion_ids[k, :n].tolist(), out.sampler_logprobs[k, :n].tolist()
@@ -163,6 +200,7 @@ class EpisodeRunner:
                     e.segments.append((e.prompt_ids if shared else contexts[k], ids, logp))
                 e.append(ids, logp)
                 e.turns += 1
+                e.t_generate += t_gen
                 e.final = self.tok.decode(ids[:-1] if ids and ids[-1] in self.eos_ids else ids)
                 e.messages.append({"role": "assistant", "content": e.final})
                 ended = bool(ids) and ids[-1] in self.eos_ids and (out.finish_reason[k] == "eos")
@@ -170,7 +208,13 @@ class EpisodeRunner:
                     e.stop_reason = "length"
             self._observe([e for e in live if e.stop_reason is None])
             turn += 1
-        return self._batch(eps)
+        wall = time.perf_counter() - t_run
+        for e in eps:
+            e.t_wait = max(wall - e.t_generate - e.t_env, 0.0)
+        latencies = self.pool.take_latencies()        # the turns' calls (not the rewards' below)
+        out = self._batch(eps, resampled, versions)
+        out.timing = {"engine_calls": len(widths), "turn_rows": sum(widths), "tool_latencies": latencies}
+        return out
 
     def _context(self, e: Episode) -> list[int]:
         """The prompt of an episode's next turn: its ids so far, or (per-turn segments) the
@@ -214,7 +258,10 @@ class EpisodeRunner:
                     job.append((f"tool {call.name}", lambda fn=fn, a=call.arguments: fn(**a)))
             jobs.append(job)
             notes.append(note)
+        jobs = [[(label, _timed(fn, e)) for label, fn in job] for e, job in zip(eps, jobs)]
         results = self.pool.run(jobs)
+        for e, res in zip(eps, results):             # a hung call counts its timeout
+            e.t_env += self.pool.timeout_s * sum(err == "timeout" for _, err in res)
         for e, job, note, res in zip(eps, jobs, notes, results):
             if e.stop_reason is not None:
                 continue
@@ -247,7 +294,7 @@ class EpisodeRunner:
             raise ConfigError(f"multi-turn episode: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - the template cannot render this conversation
             raise _template_failed(exc) from None
-        if len(e.ids) + len(delta) >= self._budget:   # no room left for a turn
+        if len(e.ids) + len(delta) >= e.budget:       # no room left for a turn
             e.stop_reason = "length"
             return
         e.append(delta, None)
@@ -264,7 +311,7 @@ class EpisodeRunner:
                 + self.tok.decode(ids[len(ids) - half:]))
 
     # ------------------------------------------------------------------------------ the batch
-    def _batch(self, eps: list[Episode]) -> RolloutBatch:
+    def _batch(self, eps: list[Episode], resampled: int, versions: list[int]) -> RolloutBatch:
         N, L = len(eps), max(max(len(e.ids) for e in eps), 1)
         ids = torch.full((N, L), self.pad_id, dtype=torch.long)
         mask = torch.zeros((N, L), dtype=torch.long)
@@ -292,11 +339,31 @@ class EpisodeRunner:
             prompt_ids=[e.prompt_ids for e in eps], completion_ids=ids, completion_mask=mask,
             sampler_logprobs=logp, finish_reason=["eos" if e.stop_reason == "stop" else "length" for e in eps],
             completions=[self.tok.decode(e.ids, skip_special_tokens=False) for e in eps],
-            action_mask=action, episodes=records, resampled=self._resampled,
-            weights_version=min(self._versions) if self._versions else None)
+            action_mask=action, episodes=records, resampled=resampled,
+            weights_version=min(versions) if versions else None)
 
     def close(self) -> None:
         self.pool.close()
+
+
+def turn_streams(streams: PromptStreams, episodes: list[int], G: int, turn: int) -> PromptStreams:
+    """The streams of a turn after the first: one per live episode (`episodes`: their positions,
+    G per row), seeded from (its row's seed, its place in the group, the turn) alone, so an
+    episode samples the same whichever other episodes are live, share its batch or its rank. (The
+    first turn is one request per row, n = G, on the row's own stream.)"""
+    return PromptStreams([mix_seed(streams.seeds[i // G], i % G, turn) for i in episodes])
+
+
+def _timed(fn, e: Episode):
+    """`fn` adding the seconds it ran to the episode's environment time (on the pool's thread: an
+    episode's calls run one after another, so nothing else adds to it meanwhile)."""
+    def call():
+        t = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            e.t_env += time.perf_counter() - t
+    return call
 
 
 def _template_failed(exc: Exception) -> ConfigError:
@@ -322,17 +389,44 @@ def _text(value) -> str:
         return f"the tool's answer could not be shown as text ({type(exc).__name__})"
 
 
-def episode_metrics(records: list[dict], action_tokens: int, all_tokens: int) -> dict[str, float]:
-    """`agent/*` metrics of a batch of episode records."""
-    n = max(len(records), 1)
-    out = {"agent/turns_mean": sum(r["turns"] for r in records) / n,
-           "agent/tool_calls": float(sum(r["tool_calls"] for r in records)),
-           "agent/tool_errors": float(sum(r["tool_errors"] for r in records)),
-           "agent/tool_timeouts": float(sum(r.get("tool_timeouts", 0) for r in records)),
-           "agent/parse_failures": float(sum(r["parse_failures"] for r in records)),
-           "agent/obs_token_frac": (all_tokens - action_tokens) / max(all_tokens, 1)}
+EPISODE_COUNTS = ("episodes", "turns", "tool_calls", "tool_errors", "tool_timeouts", "parse_failures",
+                  "action_tokens", "tokens", "time_generate", "time_env", "time_wait", "engine_calls", "turn_rows",
+                  *(f"stop_{r}" for r in STOP_REASONS))
+
+
+def episode_counts(records: list[dict], action_tokens: int, all_tokens: int, timings: list[dict] = ()) -> list[float]:
+    """The sums behind `agent/*` (EPISODE_COUNTS, in order) of a batch's episode records and its
+    rollouts' `timing`s: a data-parallel job adds them over ranks before `episode_metrics`, so its
+    metrics are the job's, not a mean of ranks' ratios."""
+    def total(key):
+        return sum(r.get(key, 0) for r in records)
+    out = [len(records), total("turns"), total("tool_calls"), total("tool_errors"), total("tool_timeouts"),
+           total("parse_failures"), action_tokens, all_tokens, total("time_generate"), total("time_env"),
+           total("time_wait"), sum(t.get("engine_calls", 0) for t in timings), sum(t.get("turn_rows", 0) for t in timings)]
+    out += [sum(r["stop_reason"] == reason for r in records) for reason in STOP_REASONS]
+    return [float(v) for v in out]
+
+
+def episode_metrics(counts: list[float], tool_latencies: list[float] = ()) -> dict[str, float]:
+    """`agent/*` metrics of a batch's `episode_counts` (summed over ranks where there are several)
+    and its tool calls' latencies in seconds (every rank's)."""
+    c = dict(zip(EPISODE_COUNTS, counts))
+    n = max(c["episodes"], 1.0)
+    out = {"agent/turns_mean": c["turns"] / n, "agent/tool_calls": c["tool_calls"],
+           "agent/tool_errors": c["tool_errors"], "agent/tool_timeouts": c["tool_timeouts"],
+           "agent/parse_failures": c["parse_failures"],
+           "agent/obs_token_frac": (c["tokens"] - c["action_tokens"]) / max(c["tokens"], 1.0),
+           "agent/episode_generate_s": c["time_generate"] / n, "agent/episode_env_s": c["time_env"] / n,
+           "agent/episode_wait_s": c["time_wait"] / n}
+    if c["engine_calls"]:
+        out["agent/turn_batch_mean"] = c["turn_rows"] / c["engine_calls"]
     for reason in STOP_REASONS:
-        out[f"agent/stop_{reason}"] = sum(r["stop_reason"] == reason for r in records) / n
+        out[f"agent/stop_{reason}"] = c[f"stop_{reason}"] / n
+    if tool_latencies:
+        lat = sorted(tool_latencies)
+        for q in (50, 90, 99):
+            out[f"agent/tool_latency_p{q}"] = lat[min(len(lat) - 1, int(q / 100 * len(lat)))]
+        out["agent/tool_latency_max"] = lat[-1]
     return out
 
 
