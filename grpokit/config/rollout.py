@@ -55,6 +55,11 @@ class AgentConfig(_Section):
     `grpokit.rollout.episodes.Trajectory` (token ids, loss mask, sampler log-probs) or a list of
     them (segments of one episode); `tool_timeout_s` bounds its time between two generate calls
     (grpokit.rollout.episodes.custom, docs/agents.md)."""
+    openai: str | None = None
+    """Agent code written for the OpenAI API: `package.module:function`, an `async def run(client,
+    row)` called once per episode with an `openai.AsyncOpenAI` client pointed at an
+    OpenAI-compatible endpoint over the policy (grpokit.rollout.episodes.gateway, docs/agents.md);
+    `rollout.agent: module:function` is short for it. Needs `grpokit[agents]`."""
     segments: Literal["auto", "whole", "per_turn"] = "auto"
     """How an episode is trained: `whole`, one sequence (the sampled turns with the template's
     observation tokens between them, masked); `per_turn`, one sample per assistant turn with the
@@ -162,7 +167,13 @@ class RolloutConfig(_Section):
     """Multi-turn episodes with plain tool functions: `package.module:function` (or
     `path/to/file.py:function`) each."""
     agent: AgentConfig = AgentConfig()
-    """Limits of multi-turn episodes (`rollout.env` / `rollout.tools`), or an agent loop of your own."""
+    """Limits of multi-turn episodes (`rollout.env` / `rollout.tools`), or an agent loop of your own
+    (`loop`), or agent code for the OpenAI API (`openai`; a string here is short for it)."""
+
+    @field_validator("agent", mode="before")
+    @classmethod
+    def _agent_shorthand(cls, v):
+        return {"openai": v} if isinstance(v, str) else v
 
     @model_validator(mode="after")
     def _combinations(self):
@@ -184,7 +195,7 @@ class RolloutConfig(_Section):
     @property
     def episodes(self) -> bool:
         """True when rollouts are multi-turn episodes."""
-        return bool(self.env or self.tools or self.agent.loop)
+        return bool(self.env or self.tools or self.agent.loop or self.agent.openai)
 
     def check_config(self, cfg) -> None:
         if self.batch_size % cfg.algorithm.mini_batches:
@@ -192,6 +203,9 @@ class RolloutConfig(_Section):
         if self.episodes:
             if self.env and self.tools:
                 raise check_failed("give rollout.env or rollout.tools, not both (an environment's tools are its methods)")
+            if self.agent.openai and (self.env or self.tools or self.agent.loop):
+                raise check_failed("rollout.agent.openai runs your OpenAI-API agent code as the episodes: give it "
+                                   "alone, not with rollout.env / rollout.tools / rollout.agent.loop")
             if self.agent.loop and (self.env or self.tools):
                 raise check_failed("rollout.agent.loop plays its own episodes: give it or rollout.env / rollout.tools, "
                                    "not both")

@@ -276,7 +276,9 @@ def _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, env
                 kl_ctl=build_kl_controller(cfg), guard=Guard(cfg.guard.max_consecutive_bad), comm=comm, run=run,
                 ref_probe=probe, seed=cfg.train.seed, entropy_ctl=_entropy_control(cfg))
     monitor = build_health(cfg) if health and comm.is_main else None
-    on_exit = ([_report_at_exit] if report and comm.is_main else []) + ([lambda _: comm.close()] if close else [])
+    on_exit = (([_report_at_exit] if report and comm.is_main else [])
+               + ([lambda _: collector.episodes.close()] if collector.episodes is not None else [])   # an endpoint
+               + ([lambda _: comm.close()] if close else []))
     from grpokit.train.evaluate import build_checker
 
     checker = build_checker(cfg, eval_ds, say=comm.is_main) if eval_ds is not None else None
@@ -309,6 +311,13 @@ def build_episodes(cfg, engine, tokenizer, spec=None):
     a = r.agent
     if spec is not None and not isinstance(spec, EnvSpec):      # an agent loop given as a function
         return LoopRunner(engine, tokenizer, spec, wait_s=a.tool_timeout_s)
+    if a.openai and spec is None:
+        from grpokit.rollout.episodes.gateway import OpenAIAgent
+
+        fn = load_object(a.openai, "rollout.agent.openai")
+        eos = list(getattr(engine, "eos_ids", None) or [tokenizer.eos_token_id])
+        return LoopRunner(engine, tokenizer, OpenAIAgent(fn, tokenizer, eos), wait_s=a.tool_timeout_s,
+                          name="rollout.agent.openai")
     if a.loop and spec is None:
         fn = load_object(a.loop, "rollout.agent.loop")
         if not callable(fn):

@@ -22,8 +22,8 @@ from tests.rollout.server_proc import served
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tool_model.build(tmp_path_factory.mktemp("tool_model"))
+def model_dir(tool_model_dir):
+    return tool_model_dir
 
 
 def play(engine, tok, params, generator, rows=None):

@@ -284,7 +284,9 @@ class LoopRunner:
             action_mask=action * mask, episodes=records)
 
     def close(self) -> None:
-        pass
+        close = getattr(self.fn, "close", None)          # an OpenAI-compatible endpoint (gateway.py) stops
+        if close is not None:
+            close()
 
 
 def _runs(mask: list[int]) -> list[tuple[int, int]]:
