@@ -6,10 +6,11 @@ every step moves the whole base each time (SmolLM2-135M: 513 MiB); sending the a
 r * (in + out) numbers per adapted layer (SmolLM2 at r = 16: 18 MiB). The server then needs the
 base: the trainer sends it once (the first sync to that server, as the parts of an update that ends
 with the adapters), and the server keeps a copy of each adapted layer's base weight, so every later
-update is W = W_base + scale * B @ A: one fused `addmm` per layer where the weight and adapters
-share a dtype (2.6x faster than a product, a scaling and an add, which is how peft merges), else
-peft's own order. On the CPU the two agree bit for bit (the server's weights equal the trainer's
-merged export: tested by checksum); another BLAS may round the fused form differently, by an ulp.
+update is W = W_base + scale * B @ A, equal bit for bit to peft's merge (a product, a scaling and an
+add), so the server's weights equal the trainer's merged export (tested by checksum). Where the
+weight and adapters share a dtype, one fused `addmm` per layer is 2.6x faster; whether it rounds
+as peft's order does depends on the BLAS (it did on one machine and not on another, by an ulp), so
+the first fold of each layer shape computes both and keeps the fused form only where they are equal.
 
 Memory: the server holds a second copy of the adapted layers' weights (the base); the alternative,
 running the adapters unmerged during generation, costs two thin matmuls per layer and token.
@@ -74,6 +75,7 @@ class AdapterMerger:
 
     def __init__(self):
         self.base: dict[str, torch.Tensor] = {}
+        self.fused_exact: dict[tuple, bool] = {}     # per (weight shape, rank, dtype): addmm == peft's order
 
     def forget(self) -> None:
         """The model's weights were replaced: the kept bases are stale."""
@@ -90,7 +92,14 @@ class AdapterMerger:
                 base = self.base[m] = w.detach().clone()
             A, B = (named[n].to(w.device) for n in tensor_names(m))
             scale, flip, fp32 = float(spec["scale"]), bool(spec.get("fan_in_fan_out", False)), bool(spec.get("fp32", False))
-            if not flip and not fp32 and A.dtype == B.dtype == w.dtype:
+            key = (tuple(w.shape), A.shape[0], w.dtype)
+            if not flip and not fp32 and A.dtype == B.dtype == w.dtype and self.fused_exact.get(key, True):
                 torch.addmm(base, B, A, alpha=scale, out=w)      # one pass over the weight, no temporary
+                if key in self.fused_exact:
+                    continue
+                exact = base + lora_delta(A, B, scale, flip, fp32)   # the first of this shape: checked
+                self.fused_exact[key] = torch.equal(w, exact)
+                if not self.fused_exact[key]:
+                    w.copy_(exact)
             else:
                 w.copy_(base + lora_delta(A, B, scale, flip, fp32).to(w.dtype))
