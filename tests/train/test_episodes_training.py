@@ -240,7 +240,7 @@ def test_a_hung_tool_a_raising_tool_and_a_failed_reset_in_a_batch_of_16_episodes
     tr = build_run(cfg, engine=engine, env=EnvSpec(FaultyCalc), health=False, report=False)
     t0 = time.monotonic()
     m = tr.step()
-    assert time.monotonic() - t0 < 4.5 + 30            # the hung tools (5 s each) were not waited for
+    assert time.monotonic() - t0 < 9                   # waiting for the hung tools: >= 10 s (3 x 5 s, 2 workers)
     eps = tr.last_batch.episodes
     assert len(eps) == 16
     started = [e for e in eps if e["stop_reason"] != "env_error"]

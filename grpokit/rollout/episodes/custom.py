@@ -38,7 +38,8 @@ from typing import Any
 import torch
 
 from grpokit.errors import ConfigError
-from grpokit.rollout.base import PromptStreams, RolloutBatch, SamplingParams, mix_seed
+from grpokit.rollout.base import PromptStreams, RolloutBatch, SamplingParams
+from grpokit.rollout.episodes.runner import turn_streams
 
 log = logging.getLogger("grpokit.rollout")
 
@@ -147,8 +148,8 @@ class _Hub:
             want = max(m for _, (_, m) in batch)
             gen = self.generator
             if isinstance(gen, PromptStreams):     # a data-parallel job's groups: per episode and call
-                G = self.n // len(gen)
-                gen = PromptStreams([mix_seed(gen.seeds[i // G], i % G, self.per_episode[i]) for i, _ in batch])
+                who = [i for i, _ in batch]
+                gen = turn_streams(gen, who, self.n // len(gen), [self.per_episode[i] for i in who])
             for i, _ in batch:
                 self.per_episode[i] += 1
             try:

@@ -163,11 +163,13 @@ class ToolPool:
             out, self.latencies = self.latencies, []
         return out
 
-    def run(self, jobs: list[list[tuple[str, Callable[[], Any]]]]) -> list[list[tuple[Any, str | None]]]:
+    def run(self, jobs: list[list[tuple[str, Callable[[], Any]]]],
+            seconds: list[float] | None = None) -> list[list[tuple[Any, str | None]]]:
         """For each job (a list of (label, call) pairs), each call's (value, None) or (message,
-        "error" | "timeout")."""
+        "error" | "timeout"). `seconds`, when given, gets each job's time in its calls (a call
+        that timed out counts its timeout)."""
         boxes = [[None] * len(job) for job in jobs]
-        states = [{"holding": False, "since": 0.0, "abandoned": False, "done": False} for _ in jobs]
+        states = [{"holding": False, "since": 0.0, "abandoned": False, "done": False, "took": 0.0} for _ in jobs]
         cv = threading.Condition()
 
         def work(job, box, st):
@@ -187,6 +189,7 @@ class ToolPool:
                             return
                         st["holding"] = False
                         self.slots.release()
+                        st["took"] += time.monotonic() - st["since"]
                         self._latency(time.monotonic() - st["since"])
             finally:
                 with cv:
@@ -209,11 +212,14 @@ class ToolPool:
                         st["abandoned"], st["holding"], freed = True, False, True
                         self.hung += 1
                         self.slots.release()
+                        st["took"] += self.timeout_s
                         self._latency(self.timeout_s)
                     else:
                         wake = deadline if wake is None else min(wake, deadline)
                 if not freed:                         # else look again: that may have been the last one
                     cv.wait(None if wake is None else max(wake - now, 0.001))
+        if seconds is not None:
+            seconds[:] = [st["took"] for st in states]
         return [[box[k] if box[k] is not None else (f"{label} did not answer within {self.timeout_s:g} s", "timeout")
                  for k, (label, _) in enumerate(job)] for job, box in zip(jobs, boxes)]
 

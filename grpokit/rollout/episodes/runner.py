@@ -184,8 +184,7 @@ class EpisodeRunner:
                                            replace(one, n=G), generator)
             else:
                 contexts = [self._context(e) for e in live]
-                gen = generator if streams is None else turn_streams(
-                    streams, where, G, turn)
+                gen = generator if streams is None else turn_streams(streams, where, G, [turn] * len(where))
                 out = self.engine.generate(contexts, one, gen)
             t_gen = time.perf_counter() - t
             widths.append(len(live))
@@ -258,10 +257,10 @@ class EpisodeRunner:
                     job.append((f"tool {call.name}", lambda fn=fn, a=call.arguments: fn(**a)))
             jobs.append(job)
             notes.append(note)
-        jobs = [[(label, _timed(fn, e)) for label, fn in job] for e, job in zip(eps, jobs)]
-        results = self.pool.run(jobs)
-        for e, res in zip(eps, results):             # a hung call counts its timeout
-            e.t_env += self.pool.timeout_s * sum(err == "timeout" for _, err in res)
+        seconds: list[float] = []
+        results = self.pool.run(jobs, seconds)
+        for e, took in zip(eps, seconds):           # a hung call counts its timeout
+            e.t_env += took
         for e, job, note, res in zip(eps, jobs, notes, results):
             if e.stop_reason is not None:
                 continue
@@ -346,24 +345,12 @@ class EpisodeRunner:
         self.pool.close()
 
 
-def turn_streams(streams: PromptStreams, episodes: list[int], G: int, turn: int) -> PromptStreams:
-    """The streams of a turn after the first: one per live episode (`episodes`: their positions,
-    G per row), seeded from (its row's seed, its place in the group, the turn) alone, so an
-    episode samples the same whichever other episodes are live, share its batch or its rank. (The
-    first turn is one request per row, n = G, on the row's own stream.)"""
-    return PromptStreams([mix_seed(streams.seeds[i // G], i % G, turn) for i in episodes])
-
-
-def _timed(fn, e: Episode):
-    """`fn` adding the seconds it ran to the episode's environment time (on the pool's thread: an
-    episode's calls run one after another, so nothing else adds to it meanwhile)."""
-    def call():
-        t = time.perf_counter()
-        try:
-            return fn()
-        finally:
-            e.t_env += time.perf_counter() - t
-    return call
+def turn_streams(streams: PromptStreams, episodes: list[int], G: int, turns: list[int]) -> PromptStreams:
+    """One stream per episode call: episode `episodes[k]` (its position, G per row) on its call
+    `turns[k]`, seeded from (its row's seed, its place in the group, the call) alone, so an episode
+    samples the same whichever other episodes are live, share its batch or its rank. (The
+    environment loop's first turn is one request per row, n = G, on the row's own stream.)"""
+    return PromptStreams([mix_seed(streams.seeds[i // G], i % G, t) for i, t in zip(episodes, turns)])
 
 
 def _template_failed(exc: Exception) -> ConfigError:
