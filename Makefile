@@ -15,7 +15,7 @@ PY            := $(VENV)/bin/python
 STAMP         := $(VENV)/.grpokit-installed
 export OMP_NUM_THREADS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: setup test test-fast test-real test-dist test-report test-vllm demo demo-quick example example-agent compare bench bench-scale bench-costs bench-rollout clean help
+.PHONY: setup test test-fast test-real test-dist test-report test-vllm demo demo-quick example example-agent compare bench bench-scale bench-costs bench-rollout bench-agents clean help
 
 help:
 	@echo "make demo       GRPO teaches a tiny model arithmetic on this CPU (embedded, nothing downloaded)"
@@ -30,6 +30,7 @@ help:
 	@echo "make bench-scale  1 process x 2 threads vs 2 processes x 1 thread, FSDP2 (docs/distributed.md)"
 	@echo "make test-vllm  the in-process vLLM engine's tests, in their own .venv-vllm (installs vLLM)"
 	@echo "make bench-rollout  rollout tokens/s, HF engine vs vLLM, same prompts and model (.venv-vllm)"
+	@echo "make bench-agents  episodes/s by scheduling and engine; the calculator recipe's step time, hf vs server vs async"
 	@echo "make bench-costs  what gradient checkpointing and 4-bit weights cost here (the planner's cost column)"
 
 setup: $(STAMP)
@@ -144,6 +145,9 @@ $(VLLM_STAMP): Makefile pyproject.toml
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/rollout/vllm
+
+bench-agents: $(REAL_STAMP)
+	$(PY) bench/agents.py $(BENCH_ARGS)
 
 bench-costs: $(STAMP)
 	$(PY) bench/costs.py

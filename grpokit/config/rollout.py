@@ -49,6 +49,11 @@ class AgentConfig(_Section):
     """Longest wait for one tool call (or one `step`); a slower one is an error observation."""
     tool_workers: int = Field(4, ge=1)
     """Tool calls that run at once (threads off the decoding loop)."""
+    scheduling: Literal["batched", "per_episode"] = "batched"
+    """`batched`: each engine call takes every live episode's next turn, once all of the previous
+    turn's tool calls have answered. `per_episode`: an episode's next turn joins the first engine
+    call after its own tools answer, so a slow tool holds up its own episode only (docs/agents.md
+    has the measurements: batched is faster unless tool latency is large and uneven)."""
     loop: str | None = None
     """An agent loop you own instead of an environment: `package.module:function` (or
     `path/to/file.py:function`) called as `fn(engine, row)` per episode, returning a

@@ -326,7 +326,7 @@ def build_episodes(cfg, engine, tokenizer, spec=None):
     return EpisodeRunner(engine, tokenizer, spec or EnvSpec.from_config(r.env, r.tools),
                          EpisodeSettings(max_turns=a.max_turns, max_observation_tokens=a.max_observation_tokens,
                                          tool_timeout_s=a.tool_timeout_s, tool_workers=a.tool_workers,
-                                         segments=a.segments))
+                                         segments=a.segments, scheduling=a.scheduling))
 
 
 class EvalParts(NamedTuple):

@@ -17,7 +17,7 @@ import torch
 from grpokit.data.curriculum import Curriculum
 from grpokit.data.datasets import PromptSampler
 from grpokit.rollout.base import PromptStreams, RolloutBatch, SamplingParams
-from grpokit.rollout.episodes.runner import episode_columns, episode_counts, episode_metrics
+from grpokit.rollout.episodes.metrics import episode_columns, episode_counts, episode_metrics
 from grpokit.train import batch as batch_lib
 from grpokit.train.batch import Batch
 from grpokit.train.comm import Comm

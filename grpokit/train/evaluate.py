@@ -9,7 +9,7 @@ import math
 import torch
 
 from grpokit.rollout.base import NonFiniteLogits, SamplingParams
-from grpokit.rollout.episodes.runner import episode_columns
+from grpokit.rollout.episodes.metrics import episode_columns
 
 log = logging.getLogger("grpokit.train")
 

@@ -390,3 +390,85 @@ def test_a_pool_whose_calls_hang_gives_their_slots_back():
     assert first[0][0][1] == "timeout" and pool.hung == 1
     again = pool.run([[("tool quick", lambda: "ok")]])      # runs although the hung call still holds its thread
     assert again == [[("ok", None)]]
+
+
+def test_per_episode_scheduling_generates_an_episode_s_next_turn_while_another_s_tool_runs(tok):
+    """Episode 0's first tool answers only once episode 1 has been given its third turn: with
+    per-episode scheduling episode 1 plays on beside the waiting tool, and every episode ends as
+    it does with batched turns (the scripted engine answers by turn alone)."""
+    import threading
+
+    third = threading.Event()
+
+    class Waiting(CalcEnv):
+        def reset(self, **row):
+            self.waits = row["prompt"] == "waits"
+            return super().reset(**row)
+
+        def calculator(self, expression: str) -> str:
+            """Evaluate an arithmetic expression.
+
+            Args:
+                expression: digits and + - *
+            """
+            if self.waits and not self.calls:
+                assert third.wait(30), "episode 1 did not get its third turn while this tool ran"
+            return super().calculator(expression)
+
+    turns = [said(tok, call("1+1")), said(tok, call("2+2")), said(tok, "done")]
+    rows = [{"prompt": "waits", "answer": 1}, {"prompt": "plays", "answer": 1}]
+
+    def script(t, k):
+        if t == 2:
+            third.set()
+        return turns[t]
+
+    out, engine, _ = run(tok, Waiting, script, rows=rows, n=1, scheduling="per_episode", tool_timeout_s=60)
+    assert [e["stop_reason"] for e in out.episodes] == ["stop", "stop"]
+    assert [e["tool_timeouts"] for e in out.episodes] == [0, 0]
+    widths = [len(c[0]) for c in engine.calls]
+    assert widths[0] == 2 and 1 in widths[1:]                  # later calls went without the waiting episode
+    third.clear()
+    batched, _, _ = run(tok, CalcEnv, script, rows=rows, n=1)
+    assert torch.equal(out.completion_ids, batched.completion_ids)
+    assert torch.equal(out.action_mask, batched.action_mask)
+    assert [e["messages"] for e in out.episodes] == [e["messages"] for e in batched.episodes]
+    assert out.timing["engine_calls"] > batched.timing["engine_calls"] == 3
+
+
+def test_per_episode_scheduling_records_failures_as_batched_turns_do(tok):
+    """Hung, raising, unknown and unparsable calls in per-episode scheduling: the same observations
+    and stop reasons as batched turns, and a hung call costs its own episode its timeout only."""
+    scripts = [call("slow"), call("boom"), '<tool_call>{"name": "nope", "arguments": {}}</tool_call>',
+               "<tool_call>not json</tool_call>", call("3*4")]
+    rows = [{"prompt": f"q{i}", "answer": 1} for i in range(len(scripts))]
+
+    def play(mode):
+        runner = EpisodeRunner(_PerRow(tok, scripts), tok, EnvSpec(CalcEnv),
+                               EpisodeSettings(scheduling=mode, tool_timeout_s=0.5, tool_workers=2))
+        return runner.run(rows, SamplingParams(n=1, max_new_tokens=400))
+
+    per, batched = play("per_episode"), play("batched")
+    assert [e["messages"] for e in per.episodes] == [e["messages"] for e in batched.episodes]
+    assert [e["stop_reason"] for e in per.episodes] == ["stop"] * 5
+    assert [(e["tool_errors"], e["tool_timeouts"], e["parse_failures"]) for e in per.episodes] == \
+        [(1, 1, 0), (1, 0, 0), (1, 0, 0), (0, 0, 1), (0, 0, 0)]
+    assert per.episodes[4]["time_env"] < 0.4 < per.episodes[0]["time_env"]
+    with pytest.raises(ConfigError, match="scheduling"):
+        EpisodeRunner(_PerRow(tok, scripts), tok, EnvSpec(CalcEnv), EpisodeSettings(scheduling="eager"))
+
+
+class _PerRow(ScriptedEngine):
+    """The first turn of row i says `scripts[i]`; every later turn says "end"."""
+
+    def __init__(self, tokenizer, scripts):
+        super().__init__(tokenizer, None)
+        self.scripts = scripts
+
+    def generate(self, prompt_ids, params, generator=None):
+        texts = [self.tok.decode(p) for p in prompt_ids]
+        answers = [said(self.tok, "end") if t.count("<|im_start|>assistant") > 1
+                   else said(self.tok, self.scripts[int(t.split("q")[-1][0])]) for t in texts]
+        it = iter(answers)
+        self.script = lambda turn, k: next(it)
+        return super().generate(prompt_ids, params, generator)

@@ -5,6 +5,8 @@ in-process engine on the same model, greedy and seeded alike; and a run trains o
 from __future__ import annotations
 
 import json
+import random
+import time
 
 import pytest
 import torch
@@ -73,6 +75,41 @@ def test_an_episode_samples_the_same_whichever_episodes_share_its_batch(model_di
         n = int(alone.completion_mask[k].sum())
         assert together.completion_ids[2 + k, :n].tolist() == alone.completion_ids[k, :n].tolist()
         assert together.action_mask[2 + k, :n].tolist() == alone.action_mask[k, :n].tolist()
+
+
+class UnevenCalculator(tool_model.Calculator):
+    """The calculator with a random delay per call (0 to 0.3 s): episodes' tools answer in an
+    order that changes from run to run."""
+
+    def calculator(self, expression: str) -> str:
+        """Evaluate an arithmetic expression.
+
+        Args:
+            expression: digits and + - *, e.g. 12*3
+        """
+        time.sleep(random.random() * 0.3)
+        return super().calculator(expression)
+
+
+def test_per_episode_scheduling_samples_what_batched_turns_sample(model_dir):
+    """With per-episode scheduling the engine calls group episodes by when their tools answered,
+    which changes from run to run; each episode's turns still draw from streams of its own, so it
+    samples what batched turns sample, and a run's seed alone fixes the episodes."""
+    tok = load_tokenizer(model_dir)
+    engine = HFEngine(load_model(model_dir, dtype="float32", device="cpu"), tok)
+    params = SamplingParams(n=2, max_new_tokens=120, temperature=0.5)
+    rows = tool_model.rows()[:4]
+
+    def play_with(mode, generator):
+        runner = EpisodeRunner(engine, tok, EnvSpec(UnevenCalculator), EpisodeSettings(max_turns=3, scheduling=mode))
+        return runner.run(rows, params, generator)
+
+    batched = play_with("batched", PromptStreams([11, 12, 13, 14]))
+    per = play_with("per_episode", PromptStreams([11, 12, 13, 14]))
+    same_episodes(batched, per)
+    assert any(e["tool_calls"] for e in per.episodes)
+    seeded = [play_with("per_episode", torch.Generator().manual_seed(3)) for _ in range(2)]
+    same_episodes(*seeded)
 
 
 def test_a_run_trains_on_episodes_played_by_a_server(model_dir, tmp_path):

@@ -138,13 +138,13 @@ def test_connections_are_bounded_and_idle_or_slow_ones_closed_after_the_deadline
 
 
 @pytest.mark.slow
-def test_32_clients_x_20_requests_each_answered_exactly_once(setup, tmp_path):
+def test_32_clients_x_8_requests_each_answered_exactly_once(setup, tmp_path):
     """Loopback, a server process over the tiny model, at most 4 requests in flight: every request
     is answered once with its n completions (503s retried by the client), the server generated each
     exactly once, and a sample re-asked alone gets the same answer (no answer crossed to another
     client). Prints p50/p99 latency (docs/rollout.md quotes it)."""
     _, model_dir, _, _ = setup
-    clients, per_client = 32, 20
+    clients, per_client = 32, 8
     with ServerProcess(model_dir, tmp_path / "server.log", api_key=KEY, args=("--max-in-flight", "4")) as srv:
         def client(c: int):
             rng = random.Random(c)

@@ -270,23 +270,23 @@ def test_an_engine_copy_under_ddp_trains_as_the_policy_engine(tmp_path, inputs):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-def test_rewriting_at_two_processes_matches_one(tmp_path, inputs, mode):
-    """Wrong-answer rewriting at 2 processes: the notes' NLL is normalised by their tokens over both
-    ranks and both ranks' note gradients reach the update, so step 2 (trained on step 1's update,
-    rewriting term included) matches the 1-process run."""
+def test_rewriting_at_two_processes_matches_one(tmp_path, inputs):
+    """Wrong-answer rewriting at 2 processes, DDP and FSDP2: the notes' NLL is normalised by their
+    tokens over both ranks and both ranks' note gradients reach the update, so step 2 (trained on
+    step 1's update, rewriting term included) matches the 1-process run."""
     rows = {}
-    for world in (2, 1):
-        run_dir = tmp_path / f"{mode}{world}"
+    for name, world, mode in (("ddp", 2, "ddp"), ("fsdp2", 2, "fsdp2"), ("one", 1, "ddp")):
+        run_dir = tmp_path / name
         torchrun.run(world, _train_args(inputs, run_dir, **{
             "train.steps": 2, "algorithm.rewrite.enabled": "true", "algorithm.rewrite.weight": 0.5,
             "algorithm.rewrite.max_per_step": 64, "train.distributed": mode}), timeout=150)
-        rows[world] = _rows(run_dir)
-    assert [r["step"] for r in rows[2]] == [1, 2]
-    for a, b in zip(rows[2], rows[1]):
-        assert a["loss/rewrite"] > 0 and a["rewrite/sequences"] == b["rewrite/sequences"]
-        for k in ("loss/rewrite", "loss/total", "reward/mean", "optim/grad_norm"):
-            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (a["step"], k)
+        rows[name] = _rows(run_dir)
+    for mode in ("ddp", "fsdp2"):
+        assert [r["step"] for r in rows[mode]] == [1, 2]
+        for a, b in zip(rows[mode], rows["one"]):
+            assert a["loss/rewrite"] > 0 and a["rewrite/sequences"] == b["rewrite/sequences"]
+            for k in ("loss/rewrite", "loss/total", "reward/mean", "optim/grad_norm"):
+                assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (mode, a["step"], k)
 
 
 @pytest.mark.slow

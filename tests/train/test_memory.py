@@ -189,8 +189,12 @@ def test_estimate_within_25_percent_of_a_real_run(tmp_path):
 
 @pytest.mark.slow
 def test_estimates_within_25_percent_of_real_runs(tmp_path):
-    rows = probe.validation_table(tmp_path, probe.QUICK_CASES, default_rss=False, say=lambda *a: None)
-    assert len(rows) >= 5
+    """One fresh-process measurement per cut of the memory order the small models can show: LoRA,
+    gradient checkpointing, a 4-bit base (the full fine-tune is the test above; `python -m
+    grpokit.train.memory_probe table` measures every case, docs/memory.md)."""
+    cases = [c for c in probe.QUICK_CASES if c.label in ("LoRA", "+ gradient checkpointing", "LoRA + 4-bit")]
+    rows = probe.validation_table(tmp_path, cases, default_rss=False, say=lambda *a: None)
+    assert len(cases) == 3 and len(rows) >= 2            # the 4-bit case skips where bitsandbytes cannot run
     for r in rows:
         assert abs(r["error"]) <= 0.25, (r["model"], r["case"], r["estimate_mib"], r["measured_mib"])
 

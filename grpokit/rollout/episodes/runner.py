@@ -1,9 +1,13 @@
 """Multi-turn episodes on any rollout engine: the policy writes a turn, the environment answers,
 until the policy answers without a tool call, or a limit ends it.
 
-Turns are batched: every live episode's next turn is generated in one engine call (the first turn
-of a prompt's G episodes shares its prompt, `n=G`), then the turns' tool calls all run at once in a
-bounded pool (grpokit.rollout.episodes.env.ToolPool), then the next turn. Each episode records:
+Turns are batched (`EpisodeSettings.scheduling`): every live episode's next turn is generated in
+one engine call (the first turn of a prompt's G episodes shares its prompt, `n=G`), then the turns'
+tool calls all run at once in a bounded pool (grpokit.rollout.episodes.env.ToolPool), then the next
+turn. With `per_episode` scheduling an episode's next turn joins the first engine call after its own
+tools have answered, while other episodes' tools keep running; each episode then samples from its
+own seeded stream (`turn_streams`), so what it samples does not depend on which episodes shared
+its engine calls. Each episode records:
 
 - its ids after the prompt: assistant turns exactly as sampled (with their sampler log-probs) and
   observations as template deltas (grpokit.rollout.episodes.chat), with `action_mask` 1 on the
@@ -32,6 +36,8 @@ each carrying the episode's one advantage.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -47,6 +53,10 @@ from grpokit.rollout.episodes.parse import parse_tool_calls
 log = logging.getLogger("grpokit.rollout")
 
 STOP_REASONS = ("stop", "length", "max_turns", "tool_error", "timeout", "env_error")
+JOIN_S = 0.02
+"""Per-episode scheduling: how long an engine call waits for tools still running to answer and
+join it (a tool answering in microseconds would otherwise miss the call its episode's turn ended
+in, and every call would split in two)."""
 
 
 @dataclass
@@ -60,6 +70,22 @@ class EpisodeSettings:
     segments: str = "auto"
     """`whole` (one sequence per episode; a non-prefix-preserving template is refused), `per_turn`
     (one training sample per assistant turn), or `auto` (`whole` when the template allows it)."""
+    scheduling: str = "batched"
+    """`batched`: each engine call takes every live episode's next turn, after all of the previous
+    turn's tool calls are answered. `per_episode`: an episode's next turn goes into the first engine
+    call after its own tools answer, so a slow tool holds up its own episode only."""
+
+
+@dataclass
+class _Turns:
+    """What one `run`'s engine calls share and add up."""
+    G: int
+    params: SamplingParams
+    generator: Any
+    streams: PromptStreams | None
+    widths: list[int] = field(default_factory=list)       # live episodes per engine call
+    resampled: int = 0
+    versions: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -84,6 +110,7 @@ class Episode:
     t_generate: float = 0.0             # seconds in the engine calls that sampled its turns
     t_env: float = 0.0                  # seconds in the tool / environment calls of its turns
     t_wait: float = 0.0                 # the rest of the batch's wall time: waiting for other episodes
+    pending: tuple | None = None        # per-episode scheduling: the job and notes its tools are running
 
     def append(self, ids: list[int], logp: list[float] | None) -> None:
         self.ids += ids
@@ -108,6 +135,9 @@ class EpisodeRunner:
         self.settings = settings or EpisodeSettings()
         self.eos_ids = list(getattr(engine, "eos_ids", None) or [tokenizer.eos_token_id])
         self.chat = ChatTokens(tokenizer, spec.schemas, self.eos_ids)
+        if self.settings.scheduling not in ("batched", "per_episode"):
+            raise ConfigError(f"rollout.agent.scheduling must be batched or per_episode, "
+                              f"not {self.settings.scheduling!r}")
         mode = self.settings.segments
         if mode not in ("auto", "whole", "per_turn"):
             raise ConfigError(f"rollout.agent.segments must be auto, whole or per_turn, not {mode!r}")
@@ -160,60 +190,132 @@ class EpisodeRunner:
         budget over all its turns and observations. `generator`: the run's generator, or a
         `PromptStreams` (one stream per row: a data-parallel job's groups, whose episodes then
         sample the same whichever rank or batch plays them; `turn_streams`)."""
-        G, budget = params.n, params.max_new_tokens
+        G = params.n
         streams = generator if isinstance(generator, PromptStreams) else None
         if streams is not None and len(streams) != len(rows):
             raise ValueError(f"{len(streams)} prompt streams for {len(rows)} rows")
-        resampled, versions = 0, []           # local: a runner may play episodes on two threads
+        per_episode = self.settings.scheduling == "per_episode"
+        if per_episode and streams is None:
+            # which episodes share an engine call depends on the tools' timing here, so every
+            # episode samples from its own stream (drawn from the run's generator: still seeded)
+            device = generator.device if isinstance(generator, torch.Generator) else "cpu"
+            seeds = torch.randint(0, 2**62, (len(rows),), generator=generator, device=device).tolist()
+            streams = generator = PromptStreams(seeds)
         t_run = time.perf_counter()
-        eps = self._start(rows, G, budget)
+        eps = self._start(rows, G, params.max_new_tokens)
         self.pool.take_latencies()            # the resets': not tool calls
-        turn, widths = 0, []
-        while True:
-            where = [i for i, e in enumerate(eps) if e.stop_reason is None]
-            live = [eps[i] for i in where]
-            if not live:
-                break
-            room = max(budget - len(e.ids) for e in live)
-            one = replace(params, n=1, max_new_tokens=room)
-            shared = turn == 0 and len(live) == len(eps) and all(eps[i * G].prompt_ids == eps[i * G + k].prompt_ids
-                                       for i in range(len(rows)) for k in range(G))
-            t = time.perf_counter()
-            if shared:
-                out = self.engine.generate([eps[i * G].prompt_ids for i in range(len(rows))],
-                                           replace(one, n=G), generator)
-            else:
-                contexts = [self._context(e) for e in live]
-                gen = generator if streams is None else turn_streams(streams, where, G, [turn] * len(where))
-                out = self.engine.generate(contexts, one, gen)
-            t_gen = time.perf_counter() - t
-            widths.append(len(live))
-            lengths = out.completion_mask.sum(-1).tolist()
-            resampled += int(out.resampled)
-            if out.weights_version is not None:
-                versions.append(int(out.weights_version))
-            for k, e in enumerate(live):
-                n = min(int(lengths[k]), budget - len(e.ids))
-                ids, logp = out.completion_ids[k, :n].tolist(), out.sampler_logprobs[k, :n].tolist()
-                if self.per_turn:
-                    e.segments.append((e.prompt_ids if shared else contexts[k], ids, logp))
-                e.append(ids, logp)
-                e.turns += 1
-                e.t_generate += t_gen
-                e.final = self.tok.decode(ids[:-1] if ids and ids[-1] in self.eos_ids else ids)
-                e.messages.append({"role": "assistant", "content": e.final})
-                ended = bool(ids) and ids[-1] in self.eos_ids and (out.finish_reason[k] == "eos")
-                if not ended:
-                    e.stop_reason = "length"
-            self._observe([e for e in live if e.stop_reason is None])
-            turn += 1
+        turns = _Turns(G=G, params=params, generator=generator, streams=streams)
+        (self._play_per_episode if per_episode else self._play_batched)(eps, turns)
         wall = time.perf_counter() - t_run
         for e in eps:
             e.t_wait = max(wall - e.t_generate - e.t_env, 0.0)
         latencies = self.pool.take_latencies()        # the turns' calls (not the rewards' below)
-        out = self._batch(eps, resampled, versions)
-        out.timing = {"engine_calls": len(widths), "turn_rows": sum(widths), "tool_latencies": latencies}
+        out = self._batch(eps, turns.resampled, turns.versions)
+        out.timing = {"engine_calls": len(turns.widths), "turn_rows": sum(turns.widths),
+                      "tool_latencies": latencies}
         return out
+
+    def _play_batched(self, eps: list[Episode], turns: _Turns) -> None:
+        """Every live episode's next turn in one engine call, then all their tool calls at once."""
+        while True:
+            where = [i for i, e in enumerate(eps) if e.stop_reason is None]
+            if not where:
+                return
+            self._generate(eps, where, turns)
+            live = [eps[i] for i in where if eps[i].stop_reason is None]
+            calls = [self._calls(e) for e in live]
+            seconds: list[float] = []
+            results = self.pool.run([job for job, _ in calls], seconds)
+            for e, (job, note), res, took in zip(live, calls, results, seconds):
+                e.t_env += took                       # a hung call counts its timeout
+                self._answer(e, job, note, res)
+
+    def _play_per_episode(self, eps: list[Episode], turns: _Turns) -> None:
+        """An episode's next turn is generated as soon as its tools have answered: each engine call
+        takes the episodes ready then, and the others' tools keep running beside it."""
+        done: queue.Queue = queue.Queue()
+        ready, running = [i for i, e in enumerate(eps) if e.stop_reason is None], 0
+
+        def tools(i: int, job: list) -> None:
+            seconds: list[float] = []
+            try:
+                res = self.pool.run([job], seconds)[0]
+            except BaseException as exc:  # noqa: BLE001 - never leave the loop waiting for this episode
+                res, seconds = [(f"the tool pool failed: {type(exc).__name__}: {exc}", "error")] * len(job), [0.0]
+            done.put((i, res, seconds[0] if seconds else 0.0))
+
+        while ready or running:
+            got = [] if ready else [done.get()]       # the pool's timeouts bound this wait
+            until = time.monotonic() + JOIN_S         # tools answering within JOIN_S join this call
+            while len(got) < running:
+                try:
+                    got.append(done.get(timeout=max(until - time.monotonic(), 0.0)))
+                except queue.Empty:
+                    break
+            for i, res, took in got:
+                running -= 1
+                e = eps[i]
+                e.t_env += took
+                self._answer(e, e.pending[0], e.pending[1], res)
+                e.pending = None
+                if e.stop_reason is None:
+                    ready.append(i)
+            if not ready:
+                continue
+            where, ready = sorted(ready), []
+            self._generate(eps, where, turns)
+            for i in where:
+                e = eps[i]
+                if e.stop_reason is not None:
+                    continue
+                e.pending = job, note = self._calls(e)
+                if job:
+                    running += 1
+                    threading.Thread(target=tools, args=(i, job), name="grpokit-episode", daemon=True).start()
+                else:                                 # no call to run: answered at once
+                    self._answer(e, job, note, [])
+                    e.pending = None
+                    if e.stop_reason is None:
+                        ready.append(i)
+
+    def _generate(self, eps: list[Episode], where: list[int], turns: _Turns) -> None:
+        """One engine call: the next turn of episodes `where` (live ones), appended to each; an
+        episode whose turn did not end with an end-of-turn token stops (`length`). A whole batch's
+        first turn is one request per row, n = G."""
+        G, budget, generator = turns.G, turns.params.max_new_tokens, turns.generator
+        live = [eps[i] for i in where]
+        one = replace(turns.params, n=1, max_new_tokens=max(budget - len(e.ids) for e in live))
+        rows = len(eps) // G
+        shared = (not turns.widths and len(live) == len(eps)
+                  and all(eps[i * G].prompt_ids == eps[i * G + k].prompt_ids for i in range(rows) for k in range(G)))
+        t = time.perf_counter()
+        if shared:
+            contexts = None
+            out = self.engine.generate([eps[i * G].prompt_ids for i in range(rows)], replace(one, n=G), generator)
+        else:
+            contexts = [self._context(e) for e in live]
+            gen = generator if turns.streams is None else turn_streams(turns.streams, where, G,
+                                                                       [e.turns for e in live])
+            out = self.engine.generate(contexts, one, gen)
+        t_gen = time.perf_counter() - t
+        turns.widths.append(len(live))
+        turns.resampled += int(out.resampled)
+        if out.weights_version is not None:
+            turns.versions.append(int(out.weights_version))
+        lengths = out.completion_mask.sum(-1).tolist()
+        for k, e in enumerate(live):
+            n = min(int(lengths[k]), budget - len(e.ids))
+            ids, logp = out.completion_ids[k, :n].tolist(), out.sampler_logprobs[k, :n].tolist()
+            if self.per_turn:
+                e.segments.append((e.prompt_ids if shared else contexts[k], ids, logp))
+            e.append(ids, logp)
+            e.turns += 1
+            e.t_generate += t_gen
+            e.final = self.tok.decode(ids[:-1] if ids and ids[-1] in self.eos_ids else ids)
+            e.messages.append({"role": "assistant", "content": e.final})
+            ended = bool(ids) and ids[-1] in self.eos_ids and (out.finish_reason[k] == "eos")
+            if not ended:
+                e.stop_reason = "length"
 
     def _context(self, e: Episode) -> list[int]:
         """The prompt of an episode's next turn: its ids so far, or (per-turn segments) the
@@ -225,62 +327,52 @@ class EpisodeRunner:
         except Exception as exc:  # noqa: BLE001 - the template cannot render this conversation
             raise _template_failed(exc) from None
 
-    def _observe(self, eps: list[Episode]) -> None:
-        """Each episode's observation for its last turn (every episode's calls at once, in the
-        pool), appended, or its stop reason."""
-        jobs, notes = [], []             # per episode: the calls to run; answers known without running
-        for e in eps:
-            if self.spec.text_form:
-                jobs.append([("the environment's step()", lambda e=e: e.env.step(e.final))])
-                notes.append(None)
-                continue
-            parsed = parse_tool_calls(e.final)
-            if not parsed.has_call:
+    def _calls(self, e: Episode) -> tuple[list, list | None]:
+        """The calls an episode's last turn asks for, as a pool job, and the answers known without
+        running anything (an unknown tool, an unreadable call); a turn with no call stops it."""
+        if self.spec.text_form:
+            return [("the environment's step()", lambda: e.env.step(e.final))], None
+        parsed = parse_tool_calls(e.final)
+        if not parsed.has_call:
+            e.stop_reason = "stop"
+            return [], None
+        if parsed.error is not None:
+            e.parse_failures += 1
+            return [], [(None, f"Could not read the tool call: {parsed.error}.")]
+        tools = EnvSpec.tools(e.env)
+        job, note = [], []
+        for call in parsed.calls:
+            e.tool_calls += 1
+            fn = tools.get(call.name)
+            if fn is None:
+                e.tool_errors += 1
+                note.append((call.name, f"There is no tool {call.name!r} (tools: {', '.join(sorted(tools))})."))
+            else:
+                job.append((f"tool {call.name}", lambda fn=fn, a=call.arguments: fn(**a)))
+        return job, note
+
+    def _answer(self, e: Episode, job: list, note: list | None, res: list) -> None:
+        """Append an episode's observation from its calls' results `res` (ToolPool.run's, per
+        call), or its stop reason."""
+        if e.stop_reason is not None:
+            return
+        if self.spec.text_form:
+            value, err = res[0]
+            if err is not None:
+                e.stop_reason = "timeout" if err == "timeout" else "tool_error"
+                log.debug("episode stopped: %s", value)
+            elif value is None:
                 e.stop_reason = "stop"
-                jobs.append([])
-                notes.append(None)
-                continue
-            if parsed.error is not None:
-                e.parse_failures += 1
-                jobs.append([])
-                notes.append([(None, f"Could not read the tool call: {parsed.error}.")])
-                continue
-            tools = EnvSpec.tools(e.env)
-            job, note = [], []
-            for call in parsed.calls:
-                e.tool_calls += 1
-                fn = tools.get(call.name)
-                if fn is None:
-                    e.tool_errors += 1
-                    note.append((call.name, f"There is no tool {call.name!r} (tools: {', '.join(sorted(tools))})."))
-                else:
-                    job.append((f"tool {call.name}", lambda fn=fn, a=call.arguments: fn(**a)))
-            jobs.append(job)
-            notes.append(note)
-        seconds: list[float] = []
-        results = self.pool.run(jobs, seconds)
-        for e, took in zip(eps, seconds):           # a hung call counts its timeout
-            e.t_env += took
-        for e, job, note, res in zip(eps, jobs, notes, results):
-            if e.stop_reason is not None:
-                continue
-            if self.spec.text_form:
-                value, err = res[0]
-                if err is not None:
-                    e.stop_reason = "timeout" if err == "timeout" else "tool_error"
-                    log.debug("episode stopped: %s", value)
-                elif value is None:
-                    e.stop_reason = "stop"
-                else:
-                    self._append(e, [{"role": "user", "content": self._cut(_text(value))}])
-                continue
-            answers = list(note or [])
-            for (label, _), (value, err) in zip(job, res):
-                if err is not None:
-                    e.tool_errors += 1
-                    e.tool_timeouts += err == "timeout"
-                answers.append((label.removeprefix("tool "), self._cut(_text(value))))
-            self._append(e, self.chat.observations(answers))
+            else:
+                self._append(e, [{"role": "user", "content": self._cut(_text(value))}])
+            return
+        answers = list(note or [])
+        for (label, _), (value, err) in zip(job, res):
+            if err is not None:
+                e.tool_errors += 1
+                e.tool_timeouts += err == "timeout"
+            answers.append((label.removeprefix("tool "), self._cut(_text(value))))
+        self._append(e, self.chat.observations(answers))
 
     def _append(self, e: Episode, msgs: list[dict]) -> None:
         """Append the observation messages' template delta, or end the episode (`max_turns`, `length`)."""
@@ -374,58 +466,3 @@ def _text(value) -> str:
         return value if isinstance(value, str) else str(value)
     except Exception as exc:  # noqa: BLE001 - a broken __str__ is the tool's fault, not the step's
         return f"the tool's answer could not be shown as text ({type(exc).__name__})"
-
-
-EPISODE_COUNTS = ("episodes", "turns", "tool_calls", "tool_errors", "tool_timeouts", "parse_failures",
-                  "action_tokens", "tokens", "time_generate", "time_env", "time_wait", "engine_calls", "turn_rows",
-                  *(f"stop_{r}" for r in STOP_REASONS))
-
-
-def episode_counts(records: list[dict], action_tokens: int, all_tokens: int, timings: list[dict] = ()) -> list[float]:
-    """The sums behind `agent/*` (EPISODE_COUNTS, in order) of a batch's episode records and its
-    rollouts' `timing`s: a data-parallel job adds them over ranks before `episode_metrics`, so its
-    metrics are the job's, not a mean of ranks' ratios."""
-    def total(key):
-        return sum(r.get(key, 0) for r in records)
-    out = [len(records), total("turns"), total("tool_calls"), total("tool_errors"), total("tool_timeouts"),
-           total("parse_failures"), action_tokens, all_tokens, total("time_generate"), total("time_env"),
-           total("time_wait"), sum(t.get("engine_calls", 0) for t in timings), sum(t.get("turn_rows", 0) for t in timings)]
-    out += [sum(r["stop_reason"] == reason for r in records) for reason in STOP_REASONS]
-    return [float(v) for v in out]
-
-
-def episode_metrics(counts: list[float], tool_latencies: list[float] = ()) -> dict[str, float]:
-    """`agent/*` metrics of a batch's `episode_counts` (summed over ranks where there are several)
-    and its tool calls' latencies in seconds (every rank's)."""
-    c = dict(zip(EPISODE_COUNTS, counts))
-    n = max(c["episodes"], 1.0)
-    out = {"agent/turns_mean": c["turns"] / n, "agent/tool_calls": c["tool_calls"],
-           "agent/tool_errors": c["tool_errors"], "agent/tool_timeouts": c["tool_timeouts"],
-           "agent/parse_failures": c["parse_failures"],
-           "agent/obs_token_frac": (c["tokens"] - c["action_tokens"]) / max(c["tokens"], 1.0),
-           "agent/episode_generate_s": c["time_generate"] / n, "agent/episode_env_s": c["time_env"] / n,
-           "agent/episode_wait_s": c["time_wait"] / n}
-    if c["engine_calls"]:
-        out["agent/turn_batch_mean"] = c["turn_rows"] / c["engine_calls"]
-    for reason in STOP_REASONS:
-        out[f"agent/stop_{reason}"] = c[f"stop_{reason}"] / n
-    if tool_latencies:
-        lat = sorted(tool_latencies)
-        for q in (50, 90, 99):
-            out[f"agent/tool_latency_p{q}"] = lat[min(len(lat) - 1, int(q / 100 * len(lat)))]
-        out["agent/tool_latency_max"] = lat[-1]
-    return out
-
-
-def episode_columns(runner: EpisodeRunner, prompt_ids: list[list[int]], texts: list[str], records: list[dict],
-                    columns: dict) -> tuple[list[str], list[str]]:
-    """(prompts, completions) for the reward functions of a batch of episodes, and their columns:
-    the completion a reward scores is the episode's final assistant turn; `columns` gains `episode`
-    (the whole text after the prompt), `messages`, `env`, `env_reward`, `stop_reason`, `turns`,
-    `tool_calls` and `tool_errors`."""
-    columns.update(episode=list(texts), messages=[r["messages"] for r in records], env=[r["env"] for r in records],
-                   env_reward=[r.get("env_reward") for r in records], stop_reason=[r["stop_reason"] for r in records],
-                   turns=[r["turns"] for r in records], tool_calls=[r["tool_calls"] for r in records],
-                   tool_errors=[r["tool_errors"] for r in records])
-    prompts = [runner.tok.decode(p, skip_special_tokens=False) for p in prompt_ids]
-    return prompts, [r["final"] for r in records]
