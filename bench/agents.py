@@ -68,12 +68,12 @@ def prepare(work: Path, tiny: bool) -> tuple[Path, Path]:
     from grpokit.tasks.calculator import CalculatorTask
 
     data = CalculatorTask(seed=0).write(work / "data")["train"]
-    out = work / ("tiny-tool-model" if tiny else "smollm2-warm")
-    if (out / "config.json").is_file():
-        return out, data
-    if tiny:
+    if tiny:                                         # seconds to build: not kept
         from tests.rollout import tool_model
         return tool_model.build(work / "tiny"), data
+    out = work / "smollm2-warm"
+    if (out / "config.json").is_file():
+        return out, data
     import torch
 
     from grpokit.config import load_config
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = {"when": time.strftime("%Y-%m-%d"), "machine": f"{common.cores()} cores", "load": load,
                 "rounds": args.rounds, "model": "the tests' tiny tool model" if args.tiny
                 else "SmolLM2-135M-Instruct after the recipe's warm start"}
-        saved = ROOT / "bench" / "results" / "agents.json"
+        saved = ROOT / "bench" / "results" / ("agents-tiny.json" if args.tiny else "agents.json")
         saved.parent.mkdir(exist_ok=True)
         if args.rounds:
             part1 = episodes_per_s(model_dir, data, work, args.rounds, args.tiny)

@@ -81,8 +81,7 @@ class _Turns:
     """What one `run`'s engine calls share and add up."""
     G: int
     params: SamplingParams
-    generator: Any
-    streams: PromptStreams | None
+    generator: Any                      # the run's generator, or a PromptStreams (one stream per row)
     widths: list[int] = field(default_factory=list)       # live episodes per engine call
     resampled: int = 0
     versions: list[int] = field(default_factory=list)
@@ -110,7 +109,6 @@ class Episode:
     t_generate: float = 0.0             # seconds in the engine calls that sampled its turns
     t_env: float = 0.0                  # seconds in the tool / environment calls of its turns
     t_wait: float = 0.0                 # the rest of the batch's wall time: waiting for other episodes
-    pending: tuple | None = None        # per-episode scheduling: the job and notes its tools are running
 
     def append(self, ids: list[int], logp: list[float] | None) -> None:
         self.ids += ids
@@ -200,11 +198,11 @@ class EpisodeRunner:
             # episode samples from its own stream (drawn from the run's generator: still seeded)
             device = generator.device if isinstance(generator, torch.Generator) else "cpu"
             seeds = torch.randint(0, 2**62, (len(rows),), generator=generator, device=device).tolist()
-            streams = generator = PromptStreams(seeds)
+            generator = PromptStreams(seeds)
         t_run = time.perf_counter()
         eps = self._start(rows, G, params.max_new_tokens)
         self.pool.take_latencies()            # the resets': not tool calls
-        turns = _Turns(G=G, params=params, generator=generator, streams=streams)
+        turns = _Turns(G=G, params=params, generator=generator)
         (self._play_per_episode if per_episode else self._play_batched)(eps, turns)
         wall = time.perf_counter() - t_run
         for e in eps:
@@ -233,16 +231,16 @@ class EpisodeRunner:
     def _play_per_episode(self, eps: list[Episode], turns: _Turns) -> None:
         """An episode's next turn is generated as soon as its tools have answered: each engine call
         takes the episodes ready then, and the others' tools keep running beside it."""
-        done: queue.Queue = queue.Queue()
+        done: queue.Queue = queue.Queue()              # (episode, job, notes, results, seconds)
         ready, running = [i for i, e in enumerate(eps) if e.stop_reason is None], 0
 
-        def tools(i: int, job: list) -> None:
+        def tools(i: int, job: list, note: list | None) -> None:
             seconds: list[float] = []
             try:
                 res = self.pool.run([job], seconds)[0]
             except BaseException as exc:  # noqa: BLE001 - never leave the loop waiting for this episode
                 res, seconds = [(f"the tool pool failed: {type(exc).__name__}: {exc}", "error")] * len(job), [0.0]
-            done.put((i, res, seconds[0] if seconds else 0.0))
+            done.put((i, job, note, res, seconds[0] if seconds else 0.0))
 
         while ready or running:
             got = [] if ready else [done.get()]       # the pool's timeouts bound this wait
@@ -252,31 +250,25 @@ class EpisodeRunner:
                     got.append(done.get(timeout=max(until - time.monotonic(), 0.0)))
                 except queue.Empty:
                     break
-            for i, res, took in got:
+            for i, job, note, res, took in got:
                 running -= 1
-                e = eps[i]
-                e.t_env += took
-                self._answer(e, e.pending[0], e.pending[1], res)
-                e.pending = None
-                if e.stop_reason is None:
+                eps[i].t_env += took
+                self._answer(eps[i], job, note, res)
+                if eps[i].stop_reason is None:
                     ready.append(i)
             if not ready:
                 continue
             where, ready = sorted(ready), []
             self._generate(eps, where, turns)
             for i in where:
-                e = eps[i]
-                if e.stop_reason is not None:
+                if eps[i].stop_reason is not None:
                     continue
-                e.pending = job, note = self._calls(e)
+                job, note = self._calls(eps[i])
+                running += 1
                 if job:
-                    running += 1
-                    threading.Thread(target=tools, args=(i, job), name="grpokit-episode", daemon=True).start()
-                else:                                 # no call to run: answered at once
-                    self._answer(e, job, note, [])
-                    e.pending = None
-                    if e.stop_reason is None:
-                        ready.append(i)
+                    threading.Thread(target=tools, args=(i, job, note), name="grpokit-episode", daemon=True).start()
+                else:                                 # nothing to run: answered with the next results
+                    done.put((i, job, note, [], 0.0))
 
     def _generate(self, eps: list[Episode], where: list[int], turns: _Turns) -> None:
         """One engine call: the next turn of episodes `where` (live ones), appended to each; an
@@ -294,8 +286,8 @@ class EpisodeRunner:
             out = self.engine.generate([eps[i * G].prompt_ids for i in range(rows)], replace(one, n=G), generator)
         else:
             contexts = [self._context(e) for e in live]
-            gen = generator if turns.streams is None else turn_streams(turns.streams, where, G,
-                                                                       [e.turns for e in live])
+            gen = (turn_streams(generator, where, G, [e.turns for e in live])
+                   if isinstance(generator, PromptStreams) else generator)
             out = self.engine.generate(contexts, one, gen)
         t_gen = time.perf_counter() - t
         turns.widths.append(len(live))
