@@ -162,7 +162,18 @@ class RolloutConfig(_Section):
     completion passes the first reward at `algorithm.pass_threshold` (DAPO's Eq. 11, 0 < #correct
     < G): only groups holding both right and wrong answers train."""
     max_sampling_rounds: int = Field(3, ge=1)
-    """Generation rounds per step with dynamic sampling (the batch may stay short after them)."""
+    """Generation rounds per step with dynamic sampling (the batch may stay short after them); a step
+    draws at most this many times the prompts per step."""
+    dynamic_width: Literal["keep_rate", "fixed"] = "keep_rate"
+    """How many prompts a dynamic-sampling round draws. `keep_rate`: enough that the round keeps all
+    the groups still missing with probability `dynamic_confidence`, at the share of groups kept so
+    far in the run, so a step is mostly one wide generation rather than several thin ones; kept
+    groups beyond the batch are dropped (`dynamic/surplus_groups`). `fixed`: the prompts per step
+    every round (DAPO's procedure as written). Either way a step draws at most
+    `max_sampling_rounds` times the prompts per step (docs/variants.md, "Dynamic sampling")."""
+    dynamic_confidence: float = Field(0.9, gt=0, lt=1)
+    """`dynamic_width: keep_rate`: the chance, at the measured keep rate, that a round keeps every
+    group still missing (higher: fewer second rounds, more groups sampled and dropped)."""
     vllm: VLLMConfig = VLLMConfig()
     """Options of the `vllm` engine."""
     env: str | None = None

@@ -266,7 +266,8 @@ def _assemble(cfg, comm, model, tokenizer, dataset, eval_ds, worker, engine, env
         params=sampling_params(cfg), prompts_per_step=cfg.prompts_per_step, seed=cfg.train.seed,
         max_rounds=r.max_sampling_rounds, dynamic=dynamic, curriculum=curriculum, pool_factor=cur.pool_factor,
         pad_id=tokenizer.pad_token_id, async_=r.async_, steps=cfg.train.steps,
-        episodes=build_episodes(cfg, engine, tokenizer, env))
+        episodes=build_episodes(cfg, engine, tokenizer, env), width=r.dynamic_width,
+        confidence=r.dynamic_confidence)
     run = RunDir(cfg, comm)
     probe = ReferenceProbe(cfg.guard) if worker.reference is not None and cfg.guard.ref_check_every else None
     step = Step(settings=step_settings(cfg), collector=collector, worker=worker,

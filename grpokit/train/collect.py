@@ -2,6 +2,10 @@
 with dynamic sampling (DAPO, Yu et al. 2025), groups that carry no signal dropped and refilled from
 fresh prompts, up to `rollout.max_sampling_rounds` rounds.
 
+A round draws the prompts per step (`rollout.dynamic_width: fixed`) or, by default, as many as the
+groups still missing need at the share of groups kept so far (`KeepRate`), so that a step is mostly
+one wide generation: a decode batch costs much less per row when it is wide than when it is thin.
+
 In a data-parallel job each rank collects its own whole groups of the step's global draw (the
 `Comm` says which, and how many kept groups the job still needs); one process is rank 0 of 1 and
 runs the same code. With `rollout.async` the first round's batch was generated while the previous
@@ -10,7 +14,9 @@ step trained (grpokit.train.overlap).
 
 from __future__ import annotations
 
+import math
 import time
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -26,6 +32,62 @@ from grpokit.train.prompts import PromptEncoder
 from grpokit.train.transforms import DynamicSampling, StepContext, rewards_tensor
 
 
+@dataclass
+class KeepRate:
+    """The share of sampled groups that dynamic sampling found worth keeping, measured over the run
+    (each step's counts weigh `decay` times the next step's), and the width of a sampling round
+    sized from it. Counted over the whole job, so every rank computes the same widths, and kept in
+    the checkpoint, so a resumed run draws what the uninterrupted one drew."""
+
+    found: float = 0.0
+    sampled: float = 0.0
+    decay: float = 0.5
+
+    def new_step(self) -> None:
+        self.found *= self.decay
+        self.sampled *= self.decay
+
+    def add(self, found: int, sampled: int) -> None:
+        self.found += found
+        self.sampled += sampled
+
+    @property
+    def rate(self) -> float:
+        """The measured share, with one prior group kept out of one sampled (1 before any data)."""
+        return (self.found + 1.0) / (self.sampled + 1.0)
+
+    def width(self, missing: int, budget: int, confidence: float) -> int:
+        """The fewest prompts, at least `missing` and at most `budget`, of which at least `missing`
+        groups are kept with probability `confidence` when each is kept at the measured rate
+        independently (a binomial tail; the tail grows with the width, so a bisection finds it)."""
+        if missing <= 0 or budget <= 0:
+            return 0
+        lo, hi = min(missing, budget), budget
+        if keep_probability(hi, missing, self.rate) < confidence:
+            return hi
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if keep_probability(mid, missing, self.rate) >= confidence:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+
+def keep_probability(n: int, k: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p): the chance that n sampled groups hold k worth keeping."""
+    if k <= 0:
+        return 1.0
+    if k > n or p <= 0.0:
+        return 0.0
+    if p >= 1.0:
+        return 1.0
+    lp, lq = math.log(p), math.log1p(-p)
+    below = sum(math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * lp + (n - i) * lq)
+                for i in range(k))
+    return max(0.0, 1.0 - below)
+
+
 def owns_weights(engine) -> bool:
     """True for an engine that samples with its own copy of the weights (pushed after each step)."""
     return bool(getattr(engine, "owns_weights", False))
@@ -37,13 +99,17 @@ class Collector:
     def __init__(self, *, engine, encoder: PromptEncoder, rewards, dataset, sampler: PromptSampler, comm: Comm,
                  gen: torch.Generator, params: SamplingParams, prompts_per_step: int, seed: int,
                  max_rounds: int = 1, dynamic: DynamicSampling | None = None, curriculum: Curriculum | None = None,
-                 pool_factor: int = 1, pad_id: int = 0, async_: bool = False, steps: int = 0, episodes=None):
-        """`episodes`: a grpokit.rollout.episodes.EpisodeRunner over `engine` (multi-turn rollouts)."""
+                 pool_factor: int = 1, pad_id: int = 0, async_: bool = False, steps: int = 0, episodes=None,
+                 width: str = "keep_rate", confidence: float = 0.9):
+        """`episodes`: a grpokit.rollout.episodes.EpisodeRunner over `engine` (multi-turn rollouts).
+        `width`, `confidence`: `rollout.dynamic_width` and `rollout.dynamic_confidence`."""
         self.engine, self.encoder, self.rewards, self.dataset = engine, encoder, rewards, dataset
         self.episodes = episodes
         self.sampler, self.comm, self.gen, self.params = sampler, comm, gen, params
         self.P, self.seed, self.dynamic, self.curriculum = prompts_per_step, seed, dynamic, curriculum
         self.rounds = max_rounds if dynamic is not None else 1
+        self.keep_rate = KeepRate() if dynamic is not None and width == "keep_rate" else None
+        self.confidence = confidence
         self.pool_factor, self.pad_id, self.steps = pool_factor, pad_id, steps
         self.overlap = (OneStepOffPolicy(engine, lambda: self.draw_prompts(self.P, self.step_idx),
                                          self.encode_prompts, params, gen, share=comm.my_prompts,
@@ -128,42 +194,56 @@ class Collector:
     def collect(self, step: int) -> tuple[Batch, dict]:
         """Sample and score one batch of `prompts_per_step` groups. With dynamic sampling, groups
         whose rewards are all equal are dropped and fresh prompts sampled, up to `max_rounds`
-        rounds; if none survives, the last round's batch is used as is."""
+        rounds; if none survives, the step trains on the last round's first groups (advantages 0)."""
         P, G, comm = self.P, self.params.n, self.comm
         self.step_idx = step
         kept: list[Batch] = []
-        n_kept, t_roll, t_rew = 0, 0.0, 0.0
+        n_kept, drawn, surplus, rounds, t_roll, t_rew = 0, 0, 0, 0, 0.0, 0.0
         self.scored, timings = [], []
+        if self.keep_rate is not None:
+            self.keep_rate.new_step()
+            rate = self.keep_rate.rate                # the estimate this step's first round is sized by
         self.engine_memory("resume_memory")          # a colocated engine gets its memory back
         for r in range(self.rounds):
+            width = self.round_width(P - n_kept, P * self.rounds - drawn)
+            if width == 0:                            # the step's prompts are spent
+                break
+            rounds += 1
             t = time.perf_counter()
             if self.overlap is not None and r == 0:   # generated while the last step trained
                 idx, rb = self.overlap.take(step)
-                rows = [self.dataset[i] for i in idx]
+                width = P
             else:                                     # this rank's whole groups of the global draw
-                idx = comm.my_prompts(self.draw_prompts(P, step))
-                seeds = comm.group_streams(self.seed, step, r * P, P)
-                rows = [self.dataset[i] for i in idx]
-                rb = self.sample(rows, PromptStreams(seeds) if seeds is not None else None)
+                idx = comm.my_prompts(self.draw_prompts(width, step))
+                seeds = comm.group_streams(self.seed, step, drawn, width)
+                rb = (self.sample([self.dataset[i] for i in idx], PromptStreams(seeds) if seeds is not None else None)
+                      if idx else None)               # a round narrower than the job: no share here
+            rows = [self.dataset[i] for i in idx]
             t_roll += time.perf_counter() - t
-            if rb.timing is not None:
-                timings.append(rb.timing)
-            if r == 0:
-                staleness = self.staleness(rb, step)
-            t = time.perf_counter()
-            fresh = self.score(batch_lib.from_rollout(rb, idx, rows, G, step=step,
-                                                      first_group=comm.first_group(r, P)))
-            t_rew += time.perf_counter() - t
-            if self.curriculum is not None:
-                self.scored.append(fresh)
-            if self.dynamic is None:
-                kept = [fresh]
-                break
-            good = self.dynamic(fresh, StepContext(step))
-            mine, n_new = comm.keep_groups(len(good.groups), P - n_kept)    # the quota is the job's
-            if mine < len(good.groups):
+            good = None
+            if rb is not None:
+                if rb.timing is not None:
+                    timings.append(rb.timing)
+                if r == 0:
+                    staleness = self.staleness(rb, step)
+                t = time.perf_counter()
+                fresh = self.score(batch_lib.from_rollout(rb, idx, rows, G, step=step,
+                                                          first_group=comm.first_group(drawn, width)))
+                t_rew += time.perf_counter() - t
+                if self.curriculum is not None:
+                    self.scored.append(fresh)
+                if self.dynamic is None:
+                    kept = [fresh]
+                    break
+                good = self.dynamic(fresh, StepContext(step))
+            drawn += width
+            mine, n_new, found = comm.keep_groups(len(good.groups) if good is not None else 0, P - n_kept)
+            if self.keep_rate is not None:            # the quota is the job's
+                self.keep_rate.add(found, width)
+            surplus += found - n_new
+            if good is not None and mine < len(good.groups):
                 good = batch_lib.slice_groups(good, good.groups[:mine])
-            if len(good):
+            if good is not None and len(good):
                 kept.append(good)
             n_kept += n_new
             if n_kept >= P:
@@ -172,10 +252,17 @@ class Collector:
             self.overlap.submit(step + 1)             # batch k+1 from weights k, while step k trains
         else:
             self.engine_memory("release_memory")      # ... and gives it to the update
-        metrics = {"time/rollout": t_roll, "time/reward": t_rew, "dynamic/rounds": float(r + 1),
+        metrics = {"time/rollout": t_roll, "time/reward": t_rew, "dynamic/rounds": float(rounds),
                    "dynamic/kept_groups": float(n_kept if self.dynamic is not None else P), **staleness}
-        batch = batch_lib.concat(kept or [fresh], self.pad_id)
-        metrics.update(batch_lib.merged_reward_metrics(kept or [fresh]))
+        if self.dynamic is not None:
+            metrics.update({"dynamic/sampled_groups": float(drawn), "dynamic/surplus_groups": float(surplus)})
+        if self.keep_rate is not None:
+            metrics["dynamic/keep_rate"] = rate
+        if not kept:                                  # nothing kept: the last round, as many groups as a step's
+            share = len(comm.my_prompts(list(range(P))))
+            kept = [fresh if len(fresh.groups) <= share else batch_lib.slice_groups(fresh, fresh.groups[:share])]
+        batch = batch_lib.concat(kept, self.pad_id)
+        metrics.update(batch_lib.merged_reward_metrics(kept))
         if batch.episodes is not None:                # the job's sums and latencies (agreed: not reduced again)
             counts = comm.all_sum(episode_counts(batch.episodes, int(batch.action_mask.sum()), int(batch.mask.sum()),
                                                  timings))
@@ -183,6 +270,13 @@ class Collector:
                          for x in rank]
             metrics.update(episode_metrics(counts, latencies))
         return batch, metrics
+
+    def round_width(self, missing: int, budget: int) -> int:
+        """Prompts to draw for a round that still needs `missing` kept groups, with `budget` prompts
+        left of the step's `max_sampling_rounds` x prompts per step."""
+        if self.keep_rate is None:
+            return min(self.P, budget)
+        return self.keep_rate.width(missing, budget, self.confidence)
 
     def take_scored(self) -> list[Batch]:
         """This step's scored batches, every sampled group (and no more held here)."""
@@ -211,7 +305,8 @@ class Collector:
     def state_dict(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "gen": self.gen.get_state(),
                 "curriculum": self.curriculum.state_dict() if self.curriculum is not None else None,
-                "rollout_in_flight": self.overlap.state_dict() if self.overlap is not None else None}
+                "rollout_in_flight": self.overlap.state_dict() if self.overlap is not None else None,
+                "keep_rate": asdict(self.keep_rate) if self.keep_rate is not None else None}
 
     def load_state_dict(self, s: dict) -> None:
         self.sampler.load_state_dict(s["sampler"])
@@ -220,3 +315,5 @@ class Collector:
             self.curriculum.load_state_dict(s["curriculum"])
         if self.overlap is not None:
             self.overlap.load_state_dict(s.get("rollout_in_flight"))
+        if self.keep_rate is not None and s.get("keep_rate"):          # absent in checkpoints before it
+            self.keep_rate = KeepRate(**s["keep_rate"])

@@ -69,18 +69,21 @@ class Comm:
         """This rank's share of a step's global prompt list: every world-th prompt from its rank."""
         return indices[self.rank::self.world]
 
-    def first_group(self, round_idx: int, prompts_per_step: int) -> int:
-        """The number of this rank's first group in a sampling round (group numbers unique in the step)."""
-        return round_idx * prompts_per_step + self.rank * (prompts_per_step // self.world)
+    def first_group(self, first: int, prompts: int) -> int:
+        """The number of this rank's first group in a sampling round of `prompts` prompts whose first
+        is the step's `first`-th (group numbers unique in the step). A round need not divide evenly
+        over the ranks: the lower ranks then hold one group more (`my_prompts`)."""
+        return first + sum(len(range(q, prompts, self.world)) for q in range(self.rank))
 
-    def keep_groups(self, n_local: int, wanted: int) -> tuple[int, int]:
+    def keep_groups(self, n_local: int, wanted: int) -> tuple[int, int, int]:
         """Dynamic sampling over ranks: each rank found `n_local` groups worth keeping; at most
         `wanted` more are needed globally. Returns (groups this rank keeps, groups kept over all
-        ranks): the quota is filled in rank order, so the ranks agree without a coordinator."""
+        ranks, groups found over all ranks): the quota is filled in rank order, so the ranks agree
+        without a coordinator."""
         counts = self.gather(int(n_local))
         before = sum(counts[:self.rank])
         mine = max(0, min(n_local, wanted - before))
-        return mine, min(sum(counts), wanted)
+        return mine, min(sum(counts), wanted), sum(counts)
 
     def step_seed(self, seed: int, step: int) -> int:
         """The sampling seed of this rank at `step`: derived from (seed, step, rank), so a resumed

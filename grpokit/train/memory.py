@@ -115,6 +115,8 @@ class Setup:
     ref_device: str = "same"                 # "same", "cpu" or "swap"
     group_size: int = 16
     batch_size: int = 64
+    wide_rounds: int = 1                     # dynamic sampling sized by the keep rate: one generation may
+                                             # draw up to max_sampling_rounds x the step's prompts
     prompt_tokens: int = 256
     max_new_tokens: int = 2048
     micro_batch: int = 16
@@ -140,6 +142,8 @@ def setup_from_config(cfg, *, device: str | None = None, prompt_tokens: int = 25
                  rank=lc.rank, targets=lc.target_modules, four_bit=lc.enabled and lc.load_in_4bit,
                  double_quant=lc.double_quant, reference=ref, ref_device=k.ref_device,
                  group_size=cfg.rollout.group_size, batch_size=cfg.rollout.batch_size, prompt_tokens=prompt_tokens,
+                 wide_rounds=(cfg.rollout.max_sampling_rounds if cfg.rollout.dynamic_sampling
+                              and cfg.rollout.dynamic_width == "keep_rate" else 1),
                  max_new_tokens=cfg.rollout.max_new_tokens, micro_batch=cfg.optim.micro_batch_size,
                  chunk_tokens=cfg.optim.logprob_chunk, temperature=cfg.rollout.temperature,
                  world_size=world_size, distributed=_distributed_mode(cfg.train.distributed, world_size, cfg.lora),
@@ -219,10 +223,11 @@ def update_terms(shape: Shape, s: Setup) -> dict[str, float]:
 
 
 def kv_cache_bytes(shape: Shape, s: Setup) -> float:
-    """K and V for every layer, the G x prompts completions, prompt + max_new_tokens positions."""
+    """K and V for every layer, the widest generation's completions (G x prompts, times
+    `wide_rounds`), prompt + max_new_tokens positions."""
     S = s.prompt_tokens + s.max_new_tokens
     per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * s.dtype_bytes
-    return s.batch_size * S * per_token * (1 + 1 / max(shape.layers, 1))   # + one layer being concatenated
+    return s.batch_size * s.wide_rounds * S * per_token * (1 + 1 / max(shape.layers, 1))   # + one layer being concatenated
 
 
 def sharded_working_set(shape: Shape, b: int) -> float:
@@ -266,7 +271,7 @@ def _estimate_one(shape: Shape, s: Setup) -> Estimate:
     N, V = s.batch_size, shape.vocab
     m = min(s.micro_batch, s.batch_size)
     S = s.prompt_tokens + s.max_new_tokens
-    sample_logits = 4 * N * V * 4.0                          # logits, scaled, softmax, cumsum for top-p
+    sample_logits = 4 * N * s.wide_rounds * V * 4.0          # logits, scaled, softmax, cumsum for top-p
     nograd_layer = 2 * m * S * (shape.hidden + 2 * shape.intermediate) * b
     nograd_logits = min(m * s.max_new_tokens, s.chunk_tokens * 4) * V * 4.0 * 2
     swap_in = ref_w if (s.ref_device == "swap" and s.device == "cuda") else 0.0
@@ -334,8 +339,10 @@ class PlanRow:
 
 def plan(shape: Shape, s: Setup, budget: float, *, lr: float | None = None, prompts_per_step: int | None = None,
          mini_batches: int = 1) -> list[PlanRow]:
-    """Each step of the memory order applied in turn (cumulatively), with its estimate. After the
-    rule's steps, if nothing fits yet, the micro-batch is halved (exact: the gradient is unchanged)."""
+    """Each step of the memory order applied in turn (cumulatively), with its estimate. Before them,
+    when over budget, dynamic-sampling rounds sized by the keep rate go back to fixed width (exact: a
+    step keeps the same number of groups, over more, thinner generations); after the rule's steps,
+    if nothing fits yet, the micro-batch is halved (exact: the gradient is unchanged)."""
     rows = [PlanRow("as configured", {}, estimate(shape, s))]
     over: dict[str, object] = {}
 
@@ -351,6 +358,9 @@ def plan(shape: Shape, s: Setup, budget: float, *, lr: float | None = None, prom
     def replaced(**kw) -> Setup:
         return Setup(**{**s.__dict__, **kw})
 
+    if s.wide_rounds > 1 and rows[-1].peak > budget:     # exact (the same groups kept), before the order
+        add("dynamic-sampling rounds of fixed width", {"rollout.dynamic_width": "fixed"}, replaced(wide_rounds=1),
+            "same groups", cost="fixed rounds")
     if s.grad_ckpt:
         same("gradient checkpointing", "already on")
     else:

@@ -12,6 +12,7 @@ COSTS = {
     "reference offload": "the reference pass runs at CPU speed every step (the KL term's forward)",
     "smaller G": "fewer samples per prompt: more all-equal groups, noisier advantages",
     "micro-batch": "more, smaller passes: slower, same result",
+    "fixed rounds": "a step's groups over up to max_sampling_rounds thin generations instead of one wide one: slower",
 }
 """What each cut of the memory order costs (the practitioner's rule R6 names them: checkpointing is
 slower, LoRA loses some capacity, 4-bit can hurt log-prob precision, CPU offload slows the KL), with

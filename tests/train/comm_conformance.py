@@ -26,10 +26,13 @@ def check_comm(comm) -> None:
     mine = comm.my_prompts(prompts)
     every = comm.gather(mine)
     assert sorted(sum(every, [])) == prompts and every[r] == prompts[r::w]
-    assert comm.gather(comm.first_group(1, 4 * w)) == [4 * w + 4 * q for q in range(w)]
+    assert comm.gather(comm.first_group(4 * w, 4 * w)) == [4 * w + 4 * q for q in range(w)]
+    shares = comm.gather(len(comm.my_prompts(list(range(2 * w + 1)))))      # a round that does not divide
+    assert sum(shares) == 2 * w + 1 and comm.gather(comm.first_group(5, 2 * w + 1)) == [
+        5 + sum(shares[:q]) for q in range(w)]
     # the dynamic-sampling quota: filled in rank order, the same total on every rank
-    kept, total = comm.keep_groups(2, wanted=w + 1)
-    assert total == min(2 * w, w + 1)
+    kept, total, found = comm.keep_groups(2, wanted=w + 1)
+    assert total == min(2 * w, w + 1) and found == 2 * w
     assert sum(comm.gather(kept)) == total and kept == max(0, min(2, w + 1 - 2 * r))
     # per-group sampling seeds: the ranks' seeds together are the whole draw's, none repeated
     every = comm.gather(comm.group_seeds(3, 5, 0, 4 * w))

@@ -27,6 +27,7 @@ from grpokit.models.lora import four_bit_unavailable
 from grpokit.train import checkpoint as ckpt_lib
 from grpokit.train import distributed
 from grpokit.train.build import reference_for
+from grpokit.train.collect import KeepRate
 from grpokit.train.worker import LocalWorker
 from tests.fixtures import small_overrides, tiny_run_inputs
 from tests.train import torchrun
@@ -91,8 +92,8 @@ class _Ranks(distributed.DistContext):
 
 def test_dynamic_sampling_quota_is_filled_in_rank_order():
     # 5 groups still wanted; the ranks found 3, 0 and 4: rank 0 keeps 3, rank 1 none, rank 2 the other 2
-    assert [_Ranks(r, [3, 0, 4]).keep_groups([3, 0, 4][r], 5) for r in range(3)] == [(3, 5), (0, 5), (2, 5)]
-    assert [_Ranks(r, [1, 0]).keep_groups([1, 0][r], 4) for r in range(2)] == [(1, 1), (0, 1)]
+    assert [_Ranks(r, [3, 0, 4]).keep_groups([3, 0, 4][r], 5) for r in range(3)] == [(3, 5, 7), (0, 5, 7), (2, 5, 7)]
+    assert [_Ranks(r, [1, 0]).keep_groups([1, 0][r], 4) for r in range(2)] == [(1, 1, 1), (0, 1, 1)]
 
 
 def test_metric_reductions():
@@ -205,7 +206,8 @@ def _train_args(inputs, run_dir, **extra) -> list[str]:
 @pytest.mark.distributed
 def test_a_rank_whose_groups_are_all_filtered_does_not_hang(tmp_path, inputs):
     """Dynamic sampling: rank 1's groups all score alike every round; the job still finishes, and
-    the global quota of kept groups comes from rank 0."""
+    the global quota of kept groups comes from rank 0. The rounds are sized by the keep rate counted
+    over both ranks (the widths recomputed here), some of them odd: rank 0 then holds a group more."""
     _, model_dir, train, _ = inputs
     run_dir = tmp_path / "run"
     argv = ["train", *small_overrides(model_dir, train, run_dir, **{
@@ -216,8 +218,18 @@ def test_a_rank_whose_groups_are_all_filtered_does_not_hang(tmp_path, inputs):
     assert [(tmp_path / f"rank{r}.exit").read_text() for r in (0, 1)] == ["0", "0"]
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:    # 4 prompts per step, 2 per rank per round: rank 0 alone needs 2 rounds
-        assert r["dynamic/kept_groups"] == 4 and r["dynamic/rounds"] == 2
+    rate, want, widths = KeepRate(), [], []
+    for _ in rows:    # 4 prompts per step, at most 12; rank 0 holds ceil(n / 2) of a round of n, all kept
+        rate.new_step()
+        missing, drawn, rounds = 4, 0, 0
+        while missing > 0 and drawn < 12:
+            n = rate.width(missing, 12 - drawn, 0.9)
+            rate.add((n + 1) // 2, n)
+            missing, drawn, rounds = missing - min(missing, (n + 1) // 2), drawn + n, rounds + 1
+            widths.append(n)
+        want.append((4, rounds, drawn))
+    assert any(n % 2 for n in widths)
+    assert [(r["dynamic/kept_groups"], r["dynamic/rounds"], r["dynamic/sampled_groups"]) for r in rows] == want
 
 
 @pytest.mark.slow

@@ -240,3 +240,25 @@ def test_every_cut_of_the_memory_order_says_what_it_costs(tmp_path):
     off = next(r for r in mem.plan(shape, copy, 1 * mem.GiB) if r.step == "reference offload to CPU")
     assert "CPU speed" in off.cost
 
+
+
+def test_rounds_sized_by_the_keep_rate_count_their_widest_generation(tmp_path):
+    """Dynamic sampling with `dynamic_width: keep_rate` may generate max_sampling_rounds x the step's
+    completions at once: the KV cache and the sampling logits are that many times a step's, and
+    over budget the plan goes back to fixed-width rounds first (an exact cut: the same groups)."""
+    model = _qwen7b_dir(tmp_path)
+    over = [f"model.path={model}", "rollout.max_new_tokens=1024", "rollout.dynamic_sampling=true",
+            "rollout.max_sampling_rounds=3"]
+    wide = mem.setup_from_config(load_config(["grpo"], over), device="cuda", prompt_tokens=256)
+    fixed = mem.setup_from_config(load_config(["grpo"], over + ["rollout.dynamic_width=fixed"]), device="cuda",
+                                  prompt_tokens=256)
+    assert (wide.wide_rounds, fixed.wide_rounds) == (3, 1)
+    shape = mem.load_shape(str(model))
+    a, b = mem.estimate(shape, wide), mem.estimate(shape, fixed)
+    assert a.parts["kv_cache"] == pytest.approx(3 * b.parts["kv_cache"])
+    assert a.phases["rollout"] - b.phases["rollout"] == pytest.approx(
+        2 * b.parts["kv_cache"] + 2 * 4 * wide.batch_size * shape.vocab * 4.0)
+    rows = mem.plan(shape, wide, 1 * mem.GiB)
+    assert rows[1].step == "dynamic-sampling rounds of fixed width"
+    assert rows[1].overrides == {"rollout.dynamic_width": "fixed"} and rows[1].estimate.peak == b.peak
+    assert mem.plan(shape, wide, 10_000 * mem.GiB)[1].step != rows[1].step      # fits: nothing to cut

@@ -1,6 +1,8 @@
 """The variant switches at the trainer level: dynamic sampling, reference dropout, rewriting's loss,
 and every preset end to end."""
 
+import math
+
 import pytest
 import torch
 
@@ -54,7 +56,91 @@ def test_dynamic_sampling_refills_and_stops_at_the_round_limit(setup):
     tr = build_trainer(cfg, health=False)
     tr.sampler.next(0)
     batch, info = tr.collect()
-    assert info["dynamic/rounds"] == 3 and info["dynamic/kept_groups"] == 0 and len(batch) == 16
+    assert info["dynamic/kept_groups"] == 0 and len(batch) == 16 and len(batch.groups) == 4
+    assert info["dynamic/sampled_groups"] == 12 and info["dynamic/rounds"] == 2   # keep_rate: 4, then the other 8
+    fixed = build_trainer(load_config(None, small_overrides(model_dir, train, root / "dyn3", **{
+        "rollout.dynamic_sampling": True, "rollout.max_sampling_rounds": 3, "rollout.dynamic_width": "fixed",
+        "rewards": "[{name: exact_match}]"})), health=False)
+    batch, info = fixed.collect()
+    assert info["dynamic/rounds"] == 3 and info["dynamic/sampled_groups"] == 12 and len(batch) == 16
+
+
+def test_keep_rate_widths_follow_the_measured_share():
+    """The round width: the fewest prompts that keep every missing group with the asked probability
+    at the measured rate (checked against the binomial tail summed directly), at least the groups
+    missing, at most the prompts left; the rate starts at 1 and each step's counts weigh half the
+    next's."""
+    from grpokit.train.collect import KeepRate, keep_probability
+
+    def tail(n, k, p):                                                  # P(Binomial(n, p) >= k), summed upward
+        return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k, n + 1))
+
+    for n, k, p in ((10, 2, 1 / 3), (11, 2, 1 / 3), (24, 8, 0.35), (40, 17, 0.5), (3, 4, 0.9)):
+        assert keep_probability(n, k, p) == pytest.approx(tail(n, k, p), abs=1e-12)
+    k = KeepRate()
+    assert k.rate == 1.0 and k.width(8, 24, 0.9) == 8                  # every group kept so far
+    k.add(found=2, sampled=8)                                          # (2 + 1) / (8 + 1) = 1/3
+    assert k.rate == pytest.approx(1 / 3)
+    assert k.width(2, 16, 0.9) == 11                                    # tail(10) = 0.896, tail(11) = 0.925
+    assert tail(11, 2, 1 / 3) >= 0.9 > tail(10, 2, 1 / 3)
+    assert k.width(6, 16, 0.9) == 16                                    # tail(16, 6, 1/3) = 0.45: all that is left
+    assert k.width(2, 16, 0.5) < k.width(2, 16, 0.9) < k.width(2, 16, 0.99)
+    k.new_step()                                                        # (1 + 1) / (4 + 1)
+    assert k.rate == pytest.approx(0.4)
+    n = k.width(8, 48, 0.9)
+    assert tail(n, 8, 0.4) >= 0.9 > tail(n - 1, 8, 0.4)
+    assert KeepRate(found=99, sampled=99).width(3, 10, 0.9) == 3       # never fewer than missing ...
+    assert KeepRate().width(5, 3, 0.9) == 3 and KeepRate().width(5, 0, 0.9) == 0   # ... nor more than left
+
+
+def test_keep_rate_rounds_keep_the_groups_of_fixed_rounds_in_fewer_rounds(setup):
+    """Half the prompts give groups worth keeping. Rounds sized by the keep rate fill each step with
+    varied groups as fixed rounds do, in fewer rounds once the rate is measured, each step's width
+    the one recomputed here from the logged counts; a resumed collector draws what the
+    uninterrupted one draws (the rate is in its state)."""
+    root, model_dir, train = setup
+
+    def trainer(name, width):
+        return build_trainer(load_config(None, small_overrides(model_dir, train, root / name, **{
+            "rollout.dynamic_sampling": True, "rollout.max_sampling_rounds": 4, "rollout.dynamic_width": width,
+            "rewards": "[{name: test_one_group_varies}]"})), health=False)
+
+    logs = {}
+    for width in ("keep_rate", "fixed"):
+        tr = trainer(f"rate-{width}", width)
+        logs[width] = []
+        for _ in range(4):
+            batch, info = tr.collect()
+            even = [int(tr.dataset[int(batch.prompt_index[rows[0]])]["prompt"].split("+")[0]) % 2 == 0
+                    for rows in batch.group_rows()]
+            assert info["dynamic/kept_groups"] == 4 and len(even) == 4 and all(even)
+            logs[width].append(info)
+    from grpokit.train.collect import KeepRate
+
+    rate, fixed = logs["keep_rate"], logs["fixed"]
+    assert sum(i["dynamic/rounds"] for i in rate[1:]) < sum(i["dynamic/rounds"] for i in fixed[1:])
+    assert all(i["dynamic/sampled_groups"] <= 16 for i in rate)
+    f = s = 0.0                                          # the rate each step was sized by, recomputed
+    for info in rate:
+        f, s = 0.5 * f, 0.5 * s
+        assert info["dynamic/keep_rate"] == pytest.approx((f + 1) / (s + 1))
+        first = KeepRate(found=f, sampled=s).width(4, 16, 0.9)          # the first round's width
+        f += info["dynamic/kept_groups"] + info["dynamic/surplus_groups"]
+        s += info["dynamic/sampled_groups"]
+        if info["dynamic/rounds"] == 1:
+            assert info["dynamic/sampled_groups"] == first
+        else:
+            assert info["dynamic/sampled_groups"] > first
+
+    a = trainer("resume-a", "keep_rate")
+    a.collect()
+    state = a.step_fn.collector.state_dict()
+    b = trainer("resume-b", "keep_rate")
+    b.step_fn.collector.load_state_dict(state)
+    want, got = a.collect(), b.collect()
+    assert torch.equal(got[0].completion_ids, want[0].completion_ids)
+    assert {k: v for k, v in got[1].items() if not k.startswith("time/")} == {
+        k: v for k, v in want[1].items() if not k.startswith("time/")}
 
 
 @pytest.mark.parametrize("on", ["reward", "pass"])
