@@ -216,34 +216,31 @@ class Collector:
             else:                                     # this rank's whole groups of the global draw
                 idx = comm.my_prompts(self.draw_prompts(width, step))
                 seeds = comm.group_streams(self.seed, step, drawn, width)
-                rb = (self.sample([self.dataset[i] for i in idx], PromptStreams(seeds) if seeds is not None else None)
-                      if idx else None)               # a round narrower than the job: no share here
+                rb = self.sample([self.dataset[i] for i in idx], PromptStreams(seeds) if seeds is not None else None)
             rows = [self.dataset[i] for i in idx]
             t_roll += time.perf_counter() - t
-            good = None
-            if rb is not None:
-                if rb.timing is not None:
-                    timings.append(rb.timing)
-                if r == 0:
-                    staleness = self.staleness(rb, step)
-                t = time.perf_counter()
-                fresh = self.score(batch_lib.from_rollout(rb, idx, rows, G, step=step,
-                                                          first_group=comm.first_group(drawn, width)))
-                t_rew += time.perf_counter() - t
-                if self.curriculum is not None:
-                    self.scored.append(fresh)
-                if self.dynamic is None:
-                    kept = [fresh]
-                    break
-                good = self.dynamic(fresh, StepContext(step))
+            if rb.timing is not None:
+                timings.append(rb.timing)
+            if r == 0:
+                staleness = self.staleness(rb, step)
+            t = time.perf_counter()
+            fresh = self.score(batch_lib.from_rollout(rb, idx, rows, G, step=step,
+                                                      first_group=comm.first_group(drawn, width)))
+            t_rew += time.perf_counter() - t
             drawn += width
-            mine, n_new, found = comm.keep_groups(len(good.groups) if good is not None else 0, P - n_kept)
-            if self.keep_rate is not None:            # the quota is the job's
+            if self.curriculum is not None:
+                self.scored.append(fresh)
+            if self.dynamic is None:
+                kept = [fresh]
+                break
+            good = self.dynamic(fresh, StepContext(step))
+            mine, n_new, found = comm.keep_groups(len(good.groups), P - n_kept)    # the quota is the job's
+            if self.keep_rate is not None:
                 self.keep_rate.add(found, width)
             surplus += found - n_new
-            if good is not None and mine < len(good.groups):
+            if mine < len(good.groups):
                 good = batch_lib.slice_groups(good, good.groups[:mine])
-            if good is not None and len(good):
+            if len(good):
                 kept.append(good)
             n_kept += n_new
             if n_kept >= P:
@@ -273,10 +270,12 @@ class Collector:
 
     def round_width(self, missing: int, budget: int) -> int:
         """Prompts to draw for a round that still needs `missing` kept groups, with `budget` prompts
-        left of the step's `max_sampling_rounds` x prompts per step."""
+        left of the step's `max_sampling_rounds` x prompts per step; at least one per rank."""
         if self.keep_rate is None:
             return min(self.P, budget)
-        return self.keep_rate.width(missing, budget, self.confidence)
+        if budget < self.comm.world:                  # every rank takes part in every round (a sharded
+            return 0                                  # policy's generation gathers its weights together)
+        return max(self.comm.world, self.keep_rate.width(missing, budget, self.confidence))
 
     def take_scored(self) -> list[Batch]:
         """This step's scored batches, every sampled group (and no more held here)."""

@@ -205,7 +205,8 @@ def _train_args(inputs, run_dir, **extra) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_rank_whose_groups_are_all_filtered_does_not_hang(tmp_path, inputs):
-    """Dynamic sampling: rank 1's groups all score alike every round; the job still finishes, and
+    """Dynamic sampling, FSDP2: rank 1's groups all score alike every round; the job still finishes
+    (every rank generates in every round: a sharded policy gathers its weights for it), and
     the global quota of kept groups comes from rank 0. The rounds are sized by the keep rate counted
     over both ranks (the widths recomputed here), some of them odd: rank 0 then holds a group more."""
     _, model_dir, train, _ = inputs
@@ -213,7 +214,7 @@ def test_a_rank_whose_groups_are_all_filtered_does_not_hang(tmp_path, inputs):
     argv = ["train", *small_overrides(model_dir, train, run_dir, **{
         "rollout.dynamic_sampling": "true", "rollout.max_sampling_rounds": 3, "rewards": "[{name: rank0_varied}]",
         "train.steps": 2, "train.dist_timeout_s": 60, "train.check_rewards": "false",
-        "train.batch_advice": "false", "train.distributed": "ddp"})]
+        "train.batch_advice": "false", "train.distributed": "fsdp2"})]
     torchrun.run(2, torchrun.program("train_filtered", tmp_path, *argv), timeout=150)
     assert [(tmp_path / f"rank{r}.exit").read_text() for r in (0, 1)] == ["0", "0"]
     rows = _rows(run_dir)
@@ -222,8 +223,8 @@ def test_a_rank_whose_groups_are_all_filtered_does_not_hang(tmp_path, inputs):
     for _ in rows:    # 4 prompts per step, at most 12; rank 0 holds ceil(n / 2) of a round of n, all kept
         rate.new_step()
         missing, drawn, rounds = 4, 0, 0
-        while missing > 0 and drawn < 12:
-            n = rate.width(missing, 12 - drawn, 0.9)
+        while missing > 0 and drawn <= 10:                 # a round is at least as wide as the job
+            n = max(2, rate.width(missing, 12 - drawn, 0.9))
             rate.add((n + 1) // 2, n)
             missing, drawn, rounds = missing - min(missing, (n + 1) // 2), drawn + n, rounds + 1
             widths.append(n)
