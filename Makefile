@@ -15,7 +15,7 @@ PY            := $(VENV)/bin/python
 STAMP         := $(VENV)/.grpokit-installed
 export OMP_NUM_THREADS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: setup test test-fast test-real test-dist test-report test-vllm demo demo-quick example example-agent compare bench bench-scale bench-costs bench-rollout bench-agents clean help
+.PHONY: setup test test-fast test-real test-dist test-report test-vllm demo demo-quick example example-agent compare bench bench-scale bench-costs bench-rollout bench-agents bench-rounds clean help
 
 help:
 	@echo "make demo       GRPO teaches a tiny model arithmetic on this CPU (embedded, nothing downloaded)"
@@ -32,6 +32,7 @@ help:
 	@echo "make bench-rollout  rollout tokens/s, HF engine vs vLLM, same prompts and model (.venv-vllm)"
 	@echo "make bench-agents  episodes/s by scheduling and engine; the calculator recipe's step time, hf vs server vs async"
 	@echo "make bench-costs  what gradient checkpointing and 4-bit weights cost here (the planner's cost column)"
+	@echo "make bench-rounds  dynamic-sampling rounds, fixed width vs sized by the keep rate, on the real-model recipe"
 
 setup: $(STAMP)
 
@@ -148,6 +149,9 @@ test-vllm: $(VLLM_STAMP)
 
 bench-agents: $(REAL_STAMP)
 	$(PY) bench/agents.py $(BENCH_ARGS)
+
+bench-rounds: $(REAL_STAMP)
+	$(PY) bench/rounds.py $(BENCH_ARGS)
 
 bench-costs: $(STAMP)
 	$(PY) bench/costs.py

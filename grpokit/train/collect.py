@@ -212,12 +212,12 @@ class Collector:
             t = time.perf_counter()
             if self.overlap is not None and r == 0:   # generated while the last step trained
                 idx, rb = self.overlap.take(step)
-                width = P
+                rows, width = [self.dataset[i] for i in idx], P
             else:                                     # this rank's whole groups of the global draw
                 idx = comm.my_prompts(self.draw_prompts(width, step))
                 seeds = comm.group_streams(self.seed, step, drawn, width)
-                rb = self.sample([self.dataset[i] for i in idx], PromptStreams(seeds) if seeds is not None else None)
-            rows = [self.dataset[i] for i in idx]
+                rows = [self.dataset[i] for i in idx]
+                rb = self.sample(rows, PromptStreams(seeds) if seeds is not None else None)
             t_roll += time.perf_counter() - t
             if rb.timing is not None:
                 timings.append(rb.timing)
