@@ -255,7 +255,9 @@ class Collector:
             metrics.update({"dynamic/sampled_groups": float(drawn), "dynamic/surplus_groups": float(surplus)})
         if self.keep_rate is not None:
             metrics["dynamic/keep_rate"] = rate
-        if not kept:                                  # nothing kept: the last round, as many groups as a step's
+        if not kept and n_kept:                       # the job's groups are all other ranks': none here
+            kept = [batch_lib.select(fresh, [])]
+        elif not kept:                                # nothing kept anywhere: the last round, a step's groups
             share = len(comm.my_prompts(list(range(P))))
             kept = [fresh if len(fresh.groups) <= share else batch_lib.slice_groups(fresh, fresh.groups[:share])]
         batch = batch_lib.concat(kept, self.pad_id)

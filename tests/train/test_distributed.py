@@ -231,6 +231,9 @@ def test_a_rank_whose_groups_are_all_filtered_does_not_hang(tmp_path, inputs):
         want.append((4, rounds, drawn))
     assert any(n % 2 for n in widths)
     assert [(r["dynamic/kept_groups"], r["dynamic/rounds"], r["dynamic/sampled_groups"]) for r in rows] == want
+    # rank 1 keeps none of the job's groups and trains on none: the batch is rank 0's kept groups alone
+    # (rewards 0, 1, 0, 1 within each), not padded with rank 1's all-alike ones (rewards 0)
+    assert all(r["reward/mean"] == 0.5 and r["optim/grad_norm"] > 0 for r in rows)
 
 
 @pytest.mark.slow
