@@ -223,9 +223,19 @@ class ServerPool:
             if self.clients[a] is None:
                 try:
                     self.clients[a] = self._connect(a)
+                    self._unmeasured(a)
                     log.info("rollout server %s answers again: it gets the current weights", a)
                 except (ConfigError, RolloutServerError, OSError) as exc:
                     log.debug("rollout server %s still does not answer: %s", a, exc)
+
+    def _unmeasured(self, address: str) -> None:
+        """A server taken back is a new instance: its speed is unknown again, so it takes the mean
+        rate of the measured live servers (an equal share, as every server at the start) until its
+        first generation measures it. Keeping the rate it had when it failed would starve it: a
+        server whose share rounds to no prompts is never measured again."""
+        known = [self.rate[x] for x in self.live() if x != address and x in self.measured]
+        self.rate[address] = sum(known) / len(known) if known else 1.0
+        self.measured.discard(address)
 
     def _keep_current(self, version: int) -> None:
         """The other ranks' side, after the barrier: keep the servers that hold `version` (a dropped
@@ -241,6 +251,8 @@ class ServerPool:
                     self._drop(a, exc)
                 continue
             if v == version:
+                if self.clients[a] is None:
+                    self._unmeasured(a)
                 client.version, self.clients[a] = version, client
             elif self.clients[a] is not None:
                 self._drop(a, f"it holds weights version {v}, not {version}")

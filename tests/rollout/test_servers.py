@@ -60,7 +60,8 @@ def test_completions_do_not_depend_on_which_server_draws_them(setup):
 def test_a_failed_server_is_dropped_mid_run_and_taken_back_with_the_current_weights(setup):
     """One process, two servers. After step 1 server B stops; step 2's prompts all go to A (B is
     dropped when its request fails) and the run goes on; B starts again on its port (a new instance,
-    the base weights); the next update gives it the trainer's weights and it generates again."""
+    the base weights); the next update gives it the trainer's weights and it generates again, with an
+    equal share whatever speed it was last measured at."""
     _, model_dir, _, _ = setup
     with contextlib.ExitStack() as stack:
         a, svc_a, _ = stack.enter_context(served(model_dir))
@@ -73,6 +74,7 @@ def test_a_failed_server_is_dropped_mid_run_and_taken_back_with_the_current_weig
         tr.step_idx += 1
         assert m["rollout/servers"] == 2 and svc_a.version == svc_b.version == 1
         assert svc_a.counts["generated"] > 0 and svc_b.counts["generated"] > 0
+        tr.engine.rate[b] = tr.engine.rate[a] / 100              # B last measured slow: a share of 0 prompts
         b_ctx.__exit__(None, None, None)                         # B goes away
         m = tr.step()
         tr.step_idx += 1
@@ -86,7 +88,8 @@ def test_a_failed_server_is_dropped_mid_run_and_taken_back_with_the_current_weig
         assert tr.engine.clients[b].checksums() == want == tr.engine.clients[a].checksums()
         before = svc_b.counts["generated"]
         tr.step()
-        assert svc_b.counts["generated"] > before                # B generates again
+        assert svc_b.counts["generated"] > before                # B generates again: a new instance is
+        assert b in tr.engine.measured                           # measured afresh, not by its old rate
         tr.engine.close()
 
 
