@@ -227,7 +227,8 @@ def kv_cache_bytes(shape: Shape, s: Setup) -> float:
     `wide_rounds`), prompt + max_new_tokens positions."""
     S = s.prompt_tokens + s.max_new_tokens
     per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * s.dtype_bytes
-    return s.batch_size * s.wide_rounds * S * per_token * (1 + 1 / max(shape.layers, 1))   # + one layer being concatenated
+    rows = s.batch_size * s.wide_rounds
+    return rows * S * per_token * (1 + 1 / max(shape.layers, 1))   # + one layer being concatenated
 
 
 def sharded_working_set(shape: Shape, b: int) -> float:
@@ -340,8 +341,8 @@ class PlanRow:
 def plan(shape: Shape, s: Setup, budget: float, *, lr: float | None = None, prompts_per_step: int | None = None,
          mini_batches: int = 1) -> list[PlanRow]:
     """Each step of the memory order applied in turn (cumulatively), with its estimate. Before them,
-    when over budget, dynamic-sampling rounds sized by the keep rate go back to fixed width (exact: a
-    step keeps the same number of groups, over more, thinner generations); after the rule's steps,
+    when over budget, dynamic-sampling rounds sized by the keep rate go back to fixed width (a step
+    keeps as many groups, over more, thinner generations: slower, nothing else changes); after the rule's steps,
     if nothing fits yet, the micro-batch is halved (exact: the gradient is unchanged)."""
     rows = [PlanRow("as configured", {}, estimate(shape, s))]
     over: dict[str, object] = {}
@@ -358,9 +359,9 @@ def plan(shape: Shape, s: Setup, budget: float, *, lr: float | None = None, prom
     def replaced(**kw) -> Setup:
         return Setup(**{**s.__dict__, **kw})
 
-    if s.wide_rounds > 1 and rows[-1].peak > budget:     # exact (the same groups kept), before the order
+    if s.wide_rounds > 1 and rows[-1].peak > budget:     # costs speed only: before the order
         add("dynamic-sampling rounds of fixed width", {"rollout.dynamic_width": "fixed"}, replaced(wide_rounds=1),
-            "same groups", cost="fixed rounds")
+            "as many groups kept", cost="fixed rounds")
     if s.grad_ckpt:
         same("gradient checkpointing", "already on")
     else:
