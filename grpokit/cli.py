@@ -124,6 +124,7 @@ def cmd_plan_memory(args) -> int:
     """Estimate peak memory; apply the memory order of cuts until the budget is met (docs/memory.md)."""
     from grpokit.config import ConfigError, load_config, parse_override
     from grpokit.train import memory as mem
+    from grpokit.train import memory_plan as memplan
 
     cfg = load_config(args.config, args.overrides)
     shape = mem.load_shape(cfg.model.path, cfg.model.gguf_file)
@@ -135,10 +136,10 @@ def cmd_plan_memory(args) -> int:
     setup = mem.setup_from_config(cfg, device=args.device, prompt_tokens=args.prompt_tokens or mem.prompt_tokens_of(cfg),
                                   world_size=args.world_size)
     budget = mem.parse_size(args.budget) if args.budget else mem.default_budget(setup.device)
-    rows = mem.plan(shape, setup, budget, lr=cfg.optim.lr, prompts_per_step=cfg.prompts_per_step,
+    rows = memplan.plan(shape, setup, budget, lr=cfg.optim.lr, prompts_per_step=cfg.prompts_per_step,
                     mini_batches=cfg.algorithm.mini_batches)
-    print(mem.format_plan(rows, budget))
-    fit = mem.first_fit(rows, budget)
+    print(memplan.format_plan(rows, budget))
+    fit = memplan.first_fit(rows, budget)
     if fit is not None and fit.overrides.get("lora.load_in_4bit"):
         from grpokit.models.lora import four_bit_unavailable
         why = four_bit_unavailable(setup.device) if setup.device == "cpu" or _has_cuda() else None
@@ -155,7 +156,7 @@ def cmd_plan_memory(args) -> int:
             base = [str(Path(c).resolve()) if Path(c).is_file() else c for c in args.config]
         else:
             base = list(args.config)
-        out.write_text(mem.overrides_yaml({**given, **fit.overrides}, base if len(base) != 1 else base[0]))
+        out.write_text(memplan.overrides_yaml({**given, **fit.overrides}, base if len(base) != 1 else base[0]))
         print(f"wrote {out}: grpokit train {out}")
     if args.measure:
         from grpokit.train.memory_probe import measure

@@ -10,6 +10,7 @@ import yaml
 
 from grpokit.config import load_config
 from grpokit.train import memory as mem
+from grpokit.train import memory_plan as memplan
 from grpokit.train import memory_probe as probe
 from grpokit.models.hf import load_model
 from tests.fixtures import arithmetic_files, small_overrides, tiny_model_dir
@@ -118,7 +119,7 @@ def test_plan_follows_the_seeds_order_for_a_7b_model_on_24gib(tmp_path):
     shape = mem.load_shape(cfg.model.path)
     assert shape.params == pytest.approx(7.62e9, rel=0.01)
     setup = mem.setup_from_config(cfg, device="cuda", prompt_tokens=256)
-    rows = mem.plan(shape, setup, 24 * mem.GiB, lr=cfg.optim.lr, prompts_per_step=cfg.prompts_per_step)
+    rows = memplan.plan(shape, setup, 24 * mem.GiB, lr=cfg.optim.lr, prompts_per_step=cfg.prompts_per_step)
     names = [r.step for r in rows]
     assert names[:5] == ["as configured", "gradient checkpointing", "LoRA r=16, adapter-off reference",
                          "4-bit base weights (QLoRA)", "reference offload to CPU"]
@@ -128,7 +129,7 @@ def test_plan_follows_the_seeds_order_for_a_7b_model_on_24gib(tmp_path):
     e0 = rows[0].estimate
     # bf16 full fine-tune: weights, grads, AdamW moments (2x) and a reference copy, 2 bytes each
     assert e0.parts["weights"] + e0.parts["grads"] + e0.parts["optimizer"] + e0.parts["reference"] == 5 * 2 * shape.params
-    fit = mem.first_fit(rows, 24 * mem.GiB)
+    fit = memplan.first_fit(rows, 24 * mem.GiB)
     assert fit is not None and fit.overrides["lora.enabled"] is True and fit.overrides["optim.lr"] == 1e-4
     assert rows[0].peak > 24 * mem.GiB
 
@@ -226,7 +227,7 @@ def test_every_cut_of_the_memory_order_says_what_it_costs(tmp_path):
     """The rule R6 names a cost for each cut; the plan states it beside the memory it saves."""
     cfg = load_config(["grpo"], [f"model.path={_qwen7b_dir(tmp_path)}", "rollout.max_new_tokens=1024"])
     shape = mem.load_shape(cfg.model.path)
-    rows = mem.plan(shape, mem.setup_from_config(cfg, device="cuda", prompt_tokens=256), 1 * mem.GiB,
+    rows = memplan.plan(shape, mem.setup_from_config(cfg, device="cuda", prompt_tokens=256), 1 * mem.GiB,
                     lr=cfg.optim.lr, prompts_per_step=cfg.prompts_per_step)
     costs = {r.step.split(":")[0].split(" r=")[0]: r.cost for r in rows}
     assert costs["as configured"] == ""
@@ -234,10 +235,10 @@ def test_every_cut_of_the_memory_order_says_what_it_costs(tmp_path):
     assert "0.047 nats/token" in costs["4-bit base weights (QLoRA)"] and "noisier advantages" in costs["smaller G"]
     assert costs["reference offload to CPU"] == "" and "no reference copy" in rows[4].note   # LoRA's adapters-off
     assert all(r.cost or r.note for r in rows[1:])
-    assert mem.format_plan(rows, 1 * mem.GiB).count("cost: ") == sum(bool(r.cost) for r in rows) == len(rows) - 2
+    assert memplan.format_plan(rows, 1 * mem.GiB).count("cost: ") == sum(bool(r.cost) for r in rows) == len(rows) - 2
     copy = mem.setup_from_config(cfg, device="cuda", prompt_tokens=256)
     copy.lora, copy.reference = True, "copy"                       # a reference copy on the GPU: offloaded
-    off = next(r for r in mem.plan(shape, copy, 1 * mem.GiB) if r.step == "reference offload to CPU")
+    off = next(r for r in memplan.plan(shape, copy, 1 * mem.GiB) if r.step == "reference offload to CPU")
     assert "CPU speed" in off.cost
 
 
@@ -258,7 +259,7 @@ def test_rounds_sized_by_the_keep_rate_count_their_widest_generation(tmp_path):
     assert a.parts["kv_cache"] == pytest.approx(3 * b.parts["kv_cache"])
     assert a.phases["rollout"] - b.phases["rollout"] == pytest.approx(
         2 * b.parts["kv_cache"] + 2 * 4 * wide.batch_size * shape.vocab * 4.0)
-    rows = mem.plan(shape, wide, 1 * mem.GiB)
+    rows = memplan.plan(shape, wide, 1 * mem.GiB)
     assert rows[1].step == "dynamic-sampling rounds of fixed width"
     assert rows[1].overrides == {"rollout.dynamic_width": "fixed"} and rows[1].estimate.peak == b.peak
-    assert mem.plan(shape, wide, 10_000 * mem.GiB)[1].step != rows[1].step      # fits: nothing to cut
+    assert memplan.plan(shape, wide, 10_000 * mem.GiB)[1].step != rows[1].step      # fits: nothing to cut
