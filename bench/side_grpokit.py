@@ -55,30 +55,41 @@ def build(args):
     return build_run(cfg, health=False)
 
 
-def decode_check(model, rows: int, context: int, temperature: float, steps: int = 4, rounds: int = 5) -> dict:
+def decode_check(model, rows: int, context: int, temperature: float, steps: int = 4, rounds: int = 5,
+                 group: int | None = None, prompt_len: int | None = None) -> dict:
     """A decoding step of the lean decoder (one token per row through every layer, then sampling)
     against the time its own matmuls take alone, at the same number of rows.
 
-    The decoder is prefilled once with a `context`-token prompt repeated to `rows` rows; each round
-    then times `steps` decoding steps at the columns after it (every round rewrites the same
-    columns: the same work each time) and `steps` passes of the step's matmuls alone (the same
-    packed weights, inputs of the same shapes), in alternation so that load on the machine falls on
-    both; with one thread, in the thread's CPU time. Reported: each one's best round, per step, and
-    the ratio of the two bests."""
+    The rows are rows / `group` prompts of `prompt_len` random tokens (default: one prompt, the
+    whole context), each sampled `group` times as in a GRPO step; the decoder is prefilled with
+    them, and the cache columns from there to `context` are filled as if those tokens had been
+    generated. Each round then times `steps` decoding steps at the columns after it (every round
+    rewrites the same columns: the same work each time) and `steps` passes of the step's matmuls
+    alone (the same packed weights, inputs of the same shapes), in alternation so that load on the
+    machine falls on both; with one thread, in the thread's CPU time. Reported: each one's best
+    round, per step, and the ratio of the two bests."""
     import torch
 
     from grpokit.gemm import linear
+    from grpokit.rollout import native
     from grpokit.rollout.base import SamplingParams, sample_next
     from grpokit.rollout.decoder import LeanDecoder
 
+    group = group or rows
+    prompt_len = prompt_len or context
     with torch.inference_mode():
         dec = LeanDecoder(model, rows=rows)
-        dec.alloc(rows, context + steps)
+        dec.alloc(rows, context + steps, prompts=rows // group, prefix=prompt_len)
         cos_t, sin_t = dec.rope_table(context + steps)
         gen = torch.Generator().manual_seed(0)
         vocab = dec.embed.shape[0]
-        prompt = torch.randint(0, vocab, (1, context), generator=gen)
-        first = dec.forward(prompt, 0, cos_t[:context], sin_t[:context], None, expand=rows)
+        prompt = torch.randint(0, vocab, (rows // group, prompt_len), generator=gen)
+        first = dec.forward(prompt, 0, cos_t[:prompt_len], sin_t[:prompt_len], None, expand=group)
+        base = 0 if dec.split else prompt_len
+        for c in (*dec.k, *dec.v):                    # the tokens generated so far, as cache entries
+            c[:, :, base:base + context - prompt_len] = torch.randn(c[:, :, base:base + context - prompt_len].shape,
+                                                                    generator=gen)
+        dec.filled = base + context - prompt_len
         params = SamplingParams(temperature=temperature)
         hidden = dec.embed.shape[1]
         x_h = torch.randn(rows, hidden)
@@ -116,7 +127,8 @@ def decode_check(model, rows: int, context: int, temperature: float, steps: int 
     kv = cfg.num_key_value_heads * dec.head_dim
     per_layer = hidden * (dec.n_heads * dec.head_dim + 2 * kv) + dec.n_heads * dec.head_dim * hidden + 3 * hidden * inter
     flops = 2 * rows * (cfg.num_hidden_layers * per_layer + hidden * vocab)
-    return {"rows": rows, "context": context, "step_s": min(t_dec), "matmul_s": min(t_mm),
+    return {"rows": rows, "context": context, "group": group, "prompt_len": prompt_len, "split_cache": dec.split,
+            "native_attention": native.attend_fn() is not None, "step_s": min(t_dec), "matmul_s": min(t_mm),
             "ratio": min(t_dec) / min(t_mm), "matmul_gflop_per_s": flops / min(t_mm) / 1e9,
             "step_s_all": t_dec, "matmul_s_all": t_mm}
 
@@ -143,7 +155,7 @@ def main() -> None:
         rows = common.PROMPTS_PER_STEP * common.GROUP_SIZE
         # mid-completion: the prompt and half of the new tokens in the cache
         extra["decode_check"] = decode_check(trainer.model, rows, len(prompt) + args.max_new_tokens // 2,
-                                             common.TEMPERATURE)
+                                             common.TEMPERATURE, group=common.GROUP_SIZE, prompt_len=len(prompt))
 
     def step() -> dict:
         t, c = time.perf_counter(), time.process_time()

@@ -19,6 +19,13 @@ their weights made once per `generate` call (laid out for oneDNN where grpokit.g
 decode step's attention is two batched matmuls with the query heads of a KV head side by side
 (no KV repeat), which beats the CPU's fused attention kernel at one query per row; RMSNorm uses
 `torch.nn.functional.rms_norm` in float32 and float64 (`rms_norm`).
+
+In float32 on the CPU, where the native attention builds (grpokit.rollout.native), a decoding
+step's attention runs as one C pass per (row, KV head) instead, and the cache is split (`alloc`):
+each prompt's keys and values once, shared by its G rows, and each row's own tokens apart. The
+prefill then writes no G copies, a step reads a prompt's keys from memory once for its group, and
+rows leaving the batch copy only their own filled columns. Same function, within float rounding
+(its softmax uses a polynomial exp, within 2 ulp).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import torch.nn.functional as F
 
 from grpokit import gemm
 from grpokit.gemm import linear
+from grpokit.rollout import native
 
 _FAMILIES = {"qwen2", "llama"}
 
@@ -222,6 +230,7 @@ class LeanDecoder:
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+        self.split, self.filled, self.prefix = False, 0, 0
 
     # ------------------------------------------------------------------ pieces
     def rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,15 +240,55 @@ class LeanDecoder:
         emb = torch.cat((freqs, freqs), -1)
         return ((emb.cos() * self.rope_scale).to(self.dtype), (emb.sin() * self.rope_scale).to(self.dtype))
 
-    def alloc(self, rows: int, length: int) -> None:
-        shape = (rows, self.n_kv, length, self.head_dim)
-        self.k = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        self.v = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+    def alloc(self, rows: int, length: int, *, prompts: int = 0, prefix: int = 0,
+              prefix_mask: torch.Tensor | None = None) -> None:
+        """A KV cache for `rows` rows of `length` positions. With `prompts` > 0 and `prefix` > 0
+        (the rows are `prompts` groups of rows // prompts samples, each group after one prompt of
+        `prefix` positions, `prefix_mask` [prompts, prefix] bool marking its real tokens, None: all)
+        and the native attention available for this dtype and device (grpokit.rollout.native), the
+        prompts' keys and values are kept once per prompt and each row's cache holds only its own
+        tokens (`split`): a decoding step reads a prompt's keys once for its group, and the prefill
+        writes no copies. Otherwise every row holds its prompt's copy (expanded)."""
+        shape = (self.n_kv, self.head_dim)
+        opts = dict(dtype=self.dtype, device=self.device)
+        self.split = bool(prompts and prefix and rows % prompts == 0 and rows // prompts > 1
+                          and self.device.type == "cpu" and self.dtype == torch.float32
+                          and native.attend_fn() is not None)
+        self.filled = 0                                                   # columns written in self.k / self.v
+        if self.split:
+            self.prefix = prefix
+            self.kp = [torch.empty(prompts, self.n_kv, prefix, self.head_dim, **opts) for _ in self.layers]
+            self.vp = [torch.empty(prompts, self.n_kv, prefix, self.head_dim, **opts) for _ in self.layers]
+            self.pmask = None if prefix_mask is None else prefix_mask.to(torch.bool).contiguous()
+            self.pid = torch.arange(prompts, device=self.device).repeat_interleave(rows // prompts)
+            length -= prefix
+        self.k = [torch.empty((rows, *shape[:1], length, shape[1]), **opts) for _ in self.layers]
+        self.v = [torch.empty((rows, *shape[:1], length, shape[1]), **opts) for _ in self.layers]
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep only these cache rows (finished rows leave the batch)."""
-        self.k = [k.index_select(0, rows) for k in self.k]
-        self.v = [v.index_select(0, rows) for v in self.v]
+        """Keep only these cache rows (finished rows leave the batch), `rows` ascending. The kept
+        rows move to the front of the same buffers, their filled columns only."""
+        f, m = self.filled, len(rows)
+        for c in (self.k, self.v):
+            for i, t in enumerate(c):
+                if f:
+                    t[:m, :, :f] = t[rows, :, :f]
+                c[i] = t[:m]
+        if self.split:
+            self.pid = self.pid[rows]
+
+    def _attend_native(self, q, kc, vc, S, mask, i):
+        """A decoding step's attention through grpokit.rollout.native (None: not available here)."""
+        if not (self.device.type == "cpu" and self.dtype == torch.float32):
+            return None
+        n, nh = q.shape[0], q.shape[1]
+        if self.split:
+            o = native.attend(q.reshape(n, nh, -1), kc, vc, S, None, scale=self.scale,
+                              prefix=(self.kp[i], self.vp[i], self.pmask, self.pid))
+        else:
+            o = native.attend(q.reshape(n, nh, -1), kc, vc, S, None if mask is None else mask[:, 0, 0],
+                              scale=self.scale)
+        return None if o is None else o.view(n, nh, 1, -1)
 
     def forward(self, ids: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None, last_only: bool = True, expand: int = 1) -> torch.Tensor:
@@ -252,6 +301,12 @@ class LeanDecoder:
         x = F.embedding(ids, self.embed)                                   # [n, L, H]
         half = d // 2
         causal = mask is None and L > 1
+        # with the prompts kept apart (`split`), the prefill fills them and a decoding step writes
+        # column start - prefix of the rows' own cache; else the rows' cache holds every position
+        prefill_split = self.split and expand > 1
+        if self.split and not prefill_split and L > 1:
+            raise ValueError("a split cache decodes one token per row a step (L = 1)")
+        col = start - self.prefix if self.split and not prefill_split else start
         for i, p in enumerate(self.layers):
             h = rms_norm(x, p.ln_in, self.eps)
             qkv = linear(h, p.w_qkv, p.b_qkv).view(n, L, nh + 2 * nkv, d).transpose(1, 2)   # [n, h, L, d]
@@ -260,19 +315,31 @@ class LeanDecoder:
             qk = torch.addcmul(qk * cos, rot, sin)                         # rotary on q and k at once
             q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
             kc, vc = self.k[i], self.v[i]
-            if expand > 1:                                                 # one prompt -> its G rows
-                kc.view(n, expand, *kc.shape[1:])[:, :, :, start:start + L] = k[:, None]
-                vc.view(n, expand, *vc.shape[1:])[:, :, :, start:start + L] = v[:, None]
+            if prefill_split:                                              # the prompts, once each
+                self.kp[i][:, :, start:start + L] = k
+                self.vp[i][:, :, start:start + L] = v
+                keys, vals = k, v
+            elif expand > 1:                                               # one prompt -> its G rows
+                kc.view(n, expand, *kc.shape[1:])[:, :, :, col:col + L] = k[:, None]
+                vc.view(n, expand, *vc.shape[1:])[:, :, :, col:col + L] = v[:, None]
                 keys, vals = k, v
             else:
-                kc[:, :, start:start + L] = k
-                vc[:, :, start:start + L] = v
-                keys, vals = kc[:, :, :start + L], vc[:, :, :start + L]
-            if L == 1:      # decode: batched matmuls, the query heads of a KV head side by side (GQA)
-                sc = torch.matmul(q.reshape(n, nkv, nh // nkv, d), keys.transpose(-1, -2)) * self.scale
-                if mask is not None:
-                    sc = sc.masked_fill(~mask, float("-inf"))
-                o = torch.matmul(sc.softmax(-1), vals).view(n, nh, 1, d)   # [n, nh, 1, d]
+                kc[:, :, col:col + L] = k
+                vc[:, :, col:col + L] = v
+                keys, vals = kc[:, :, :col + L], vc[:, :, :col + L]
+            if L == 1:      # decode (or the prefill of one-token prompts: expand > 1, keys = k)
+                o = self._attend_native(q, kc, vc, col + 1, mask, i) if expand == 1 else None
+                if o is None:     # batched matmuls, the query heads of a KV head side by side (GQA)
+                    if self.split and expand == 1:                 # (only if the native call failed)
+                        keys = torch.cat([self.kp[i][self.pid], keys], 2)
+                        vals = torch.cat([self.vp[i][self.pid], vals], 2)
+                        if self.pmask is not None:
+                            own = torch.ones(n, col + 1, dtype=torch.bool, device=self.device)
+                            mask = torch.cat([self.pmask[self.pid], own], 1)[:, None, None]
+                    sc = torch.matmul(q.reshape(n, nkv, nh // nkv, d), keys.transpose(-1, -2)) * self.scale
+                    if mask is not None:
+                        sc = sc.masked_fill(~mask, float("-inf"))
+                    o = torch.matmul(sc.softmax(-1), vals).view(n, nh, 1, d)   # [n, nh, 1, d]
             else:
                 o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, is_causal=causal,
                                                    enable_gqa=nkv != nh)      # [n, nh, L, d]
@@ -280,6 +347,8 @@ class LeanDecoder:
             h = rms_norm(x, p.ln_post, self.eps)
             g, u = linear(h, p.w_gu, p.b_gu).chunk(2, -1)
             x = x + linear(F.silu(g) * u, p.w_down, p.b_down)
+        if not prefill_split:
+            self.filled = max(self.filled, col + L)
         if last_only:
             x = x[:, -1]
         logits = linear(rms_norm(x, self.norm, self.eps), self.w_head, self.b_head)

@@ -21,6 +21,7 @@ import threading
 import torch
 from transformers import DynamicCache
 
+from grpokit import hostmem
 from grpokit.gemm import fast_linears
 from grpokit.rollout.adapters import AdapterMerger, check_adapters
 from grpokit.rollout.base import (GenerationCancelled, PromptStreams, RolloutBatch, SamplingParams, check_weights,
@@ -44,6 +45,7 @@ class HFEngine:
     def __init__(self, model, tokenizer, *, lean: bool = True, owns_weights: bool = False):
         """`lean`: use grpokit's own forward for models that `LeanDecoder.supports` (same
         distribution, fewer operations per token); False always runs the model's forward."""
+        hostmem.tune()        # a decoding step's logits and sampling buffers reused, not faulted in
         self.model = model
         self.lean = lean
         self.owns_weights = owns_weights
@@ -164,9 +166,11 @@ class HFEngine:
         P = ids.shape[1]
         N = B * G
         dec = LeanDecoder(model, rows=N)
-        dec.alloc(N, P + T - 1)                                  # the last token is never fed back
-        cos_t, sin_t = dec.rope_table(P + T)
         padded = bool((pmask == 0).any())
+        # the last token is never fed back; the prompts' keys once per prompt where the native
+        # attention serves (LeanDecoder.alloc)
+        dec.alloc(N, P + T - 1, prompts=B, prefix=P, prefix_mask=pmask.bool() if padded else None)
+        cos_t, sin_t = dec.rope_table(P + T)
         if padded:                                               # left padding: explicit masks
             pos = (pmask.cumsum(-1) - 1).clamp(min=0)            # [B, P]
             cos, sin = cos_t[pos][:, None], sin_t[pos][:, None]  # [B, 1, P, d]
@@ -219,7 +223,8 @@ class HFEngine:
             s = P + t                                            # cache column of token t
             if padded:
                 p = next_pos + t
-                cos, sin, m = cos_t[p][:, None, None], sin_t[p][:, None, None], keymask[..., :s + 1]
+                cos, sin = cos_t[p][:, None, None], sin_t[p][:, None, None]
+                m = None if dec.split else keymask[..., :s + 1]     # split: the decoder masks the prompts
             else:
                 cos, sin, m = cos_t[s], sin_t[s], None
             _check(stop)

@@ -181,8 +181,10 @@ def build_run(cfg, *, model=None, tokenizer=None, dataset=None, eval_dataset=Non
     the run's); `engine`: a rollout engine instead of `rollout.engine`'s; `env`: an `EnvSpec`
     (grpokit.rollout.episodes) instead of `rollout.env` / `rollout.tools`'s. `health`: run the health
     monitor (on the main rank); `report`: write RUN_DIR/report.html when `train` ends."""
+    from grpokit import hostmem
     from grpokit.monitor.sinks import check_sinks
 
+    hostmem.tune()            # large per-step buffers reused from the heap, not faulted in afresh
     check_sinks(cfg)          # a missing wandb / mlflow package: one line now, before the model loads
     # the prompts, and the columns the rewards read, are checked before the (slow) model loading
     dataset, eval_ds = carve_eval_split(cfg, *load_datasets(cfg, dataset, eval_dataset))
