@@ -27,6 +27,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -58,11 +59,11 @@ def _cpu_id() -> str:
 
 
 def _build() -> Path:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if not cc:
+    cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")]
+    if not cc[0]:
         raise RuntimeError("no C compiler (cc, gcc or clang) found")
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc, *FLAGS]).encode() + _cpu_id().encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + " ".join([*cc, *FLAGS]).encode() + _cpu_id().encode()).hexdigest()[:16]
     out = cache_dir() / f"attend-{key}.so"
     _state["so"] = out.name
     if out.exists():
@@ -71,10 +72,11 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        res = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+        res = subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
                              timeout=120)
         if res.returncode != 0:
-            raise RuntimeError(f"{Path(cc).name} failed: {(res.stderr or res.stdout).strip().splitlines()[:1]}")
+            first = ((res.stderr or res.stdout).strip().splitlines() or ["no output"])[0]
+            raise RuntimeError(f"{Path(cc[0]).name} failed: {first}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
