@@ -9,7 +9,8 @@ an ordinary directory. Conversions are cached under `$GRPOKIT_CACHE/gguf/<sha256
 converted twice and a changed file never reuses a stale directory. A directory is written under a
 temporary name and renamed into place: an interrupted conversion never leaves a half directory.
 
-A leaf like grpokit.models.hf: it imports only ModelLoadError from there.
+A leaf like grpokit.models.hf: it imports only ModelLoadError from there (and the cache directory
+from grpokit.cache).
 """
 
 from __future__ import annotations
@@ -23,19 +24,18 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from grpokit.cache import CACHE_ENV, cache_dir  # noqa: F401  (CACHE_ENV: where the cache is set)
 from grpokit.models.hf import ModelLoadError
 
 log = logging.getLogger("grpokit.models")
 
-CACHE_ENV = "GRPOKIT_CACHE"
 GGUF_MAGIC = b"GGUF"
 PROVENANCE = "grpokit_gguf.json"       # written into each converted directory: where it came from
 
 
 def cache_root() -> Path:
     """Where converted GGUF models are kept: `$GRPOKIT_CACHE/gguf`, else `~/.cache/grpokit/gguf`."""
-    base = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "grpokit"
-    return Path(base).expanduser() / "gguf"
+    return cache_dir("gguf")
 
 
 def is_gguf(path: str | Path) -> bool:

@@ -249,7 +249,6 @@ class LeanDecoder:
         prompts' keys and values are kept once per prompt and each row's cache holds only its own
         tokens (`split`): a decoding step reads a prompt's keys once for its group, and the prefill
         writes no copies. Otherwise every row holds its prompt's copy (expanded)."""
-        shape = (self.n_kv, self.head_dim)
         opts = dict(dtype=self.dtype, device=self.device)
         self.split = bool(prompts and prefix and rows % prompts == 0 and rows // prompts > 1
                           and self.device.type == "cpu" and self.dtype == torch.float32
@@ -262,8 +261,8 @@ class LeanDecoder:
             self.pmask = None if prefix_mask is None else prefix_mask.to(torch.bool).contiguous()
             self.pid = torch.arange(prompts, device=self.device).repeat_interleave(rows // prompts)
             length -= prefix
-        self.k = [torch.empty((rows, *shape[:1], length, shape[1]), **opts) for _ in self.layers]
-        self.v = [torch.empty((rows, *shape[:1], length, shape[1]), **opts) for _ in self.layers]
+        self.k = [torch.empty(rows, self.n_kv, length, self.head_dim, **opts) for _ in self.layers]
+        self.v = [torch.empty(rows, self.n_kv, length, self.head_dim, **opts) for _ in self.layers]
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these cache rows (finished rows leave the batch), `rows` ascending. The kept
@@ -276,19 +275,6 @@ class LeanDecoder:
                 c[i] = t[:m]
         if self.split:
             self.pid = self.pid[rows]
-
-    def _attend_native(self, q, kc, vc, S, mask, i):
-        """A decoding step's attention through grpokit.rollout.native (None: not available here)."""
-        if not (self.device.type == "cpu" and self.dtype == torch.float32):
-            return None
-        n, nh = q.shape[0], q.shape[1]
-        if self.split:
-            o = native.attend(q.reshape(n, nh, -1), kc, vc, S, None, scale=self.scale,
-                              prefix=(self.kp[i], self.vp[i], self.pmask, self.pid))
-        else:
-            o = native.attend(q.reshape(n, nh, -1), kc, vc, S, None if mask is None else mask[:, 0, 0],
-                              scale=self.scale)
-        return None if o is None else o.view(n, nh, 1, -1)
 
     def forward(self, ids: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None, last_only: bool = True, expand: int = 1) -> torch.Tensor:
@@ -327,19 +313,16 @@ class LeanDecoder:
                 kc[:, :, col:col + L] = k
                 vc[:, :, col:col + L] = v
                 keys, vals = kc[:, :, :col + L], vc[:, :, :col + L]
-            if L == 1:      # decode (or the prefill of one-token prompts: expand > 1, keys = k)
-                o = self._attend_native(q, kc, vc, col + 1, mask, i) if expand == 1 else None
-                if o is None:     # batched matmuls, the query heads of a KV head side by side (GQA)
-                    if self.split and expand == 1:                 # (only if the native call failed)
-                        keys = torch.cat([self.kp[i][self.pid], keys], 2)
-                        vals = torch.cat([self.vp[i][self.pid], vals], 2)
-                        if self.pmask is not None:
-                            own = torch.ones(n, col + 1, dtype=torch.bool, device=self.device)
-                            mask = torch.cat([self.pmask[self.pid], own], 1)[:, None, None]
-                    sc = torch.matmul(q.reshape(n, nkv, nh // nkv, d), keys.transpose(-1, -2)) * self.scale
-                    if mask is not None:
-                        sc = sc.masked_fill(~mask, float("-inf"))
-                    o = torch.matmul(sc.softmax(-1), vals).view(n, nh, 1, d)   # [n, nh, 1, d]
+            if L == 1:      # decode, or the prefill of one-token prompts (expand > 1: keys = k)
+                q1, m1 = q.reshape(n, nh, d), None if mask is None else mask[:, 0, 0]        # [n, S]
+                if expand > 1:
+                    o = native.eager(q1, k, v, 1, m1, self.scale)
+                else:
+                    pre = (self.kp[i], self.vp[i], self.pmask, self.pid) if self.split else None
+                    o = native.attend(q1, kc, vc, col + 1, m1, prefix=pre, scale=self.scale)
+                    if o is None:                 # not float32 on the CPU, or the native code is unavailable
+                        o = native.eager(q1, kc, vc, col + 1, m1, self.scale, pre)
+                o = o.view(n, nh, 1, d)
             else:
                 o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, is_causal=causal,
                                                    enable_gqa=nkv != nh)      # [n, nh, L, d]

@@ -36,16 +36,13 @@ from pathlib import Path
 
 import torch
 
+from grpokit.cache import cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("attend.c")
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-pthread"]
 _state: dict = {}
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("GRPOKIT_CACHE") or Path.home() / ".cache" / "grpokit"
-    return Path(base).expanduser() / "native"
 
 
 def _cpu_id() -> str:
@@ -64,7 +61,7 @@ def _build() -> Path:
         raise RuntimeError("no C compiler (cc, gcc or clang) found")
     src = SOURCE.read_bytes()
     key = hashlib.sha256(src + " ".join([*cc, *FLAGS]).encode() + _cpu_id().encode()).hexdigest()[:16]
-    out = cache_dir() / f"attend-{key}.so"
+    out = cache_dir("native") / f"attend-{key}.so"
     _state["so"] = out.name
     if out.exists():
         return out
@@ -96,9 +93,12 @@ def _load():
     return fn
 
 
-def reference(q, k, v, S, mask=None, scale=None, prefix=None):
-    """The eager computation attend() replaces: q [n, nh, d], k / v [n, nkv, >=S, d], mask [n, >=S]
-    bool (True = attend) or None; `prefix` as attend's; out [n, nh, d]."""
+def eager(q, k, v, S, mask=None, scale=None, prefix=None):
+    """The same attention in PyTorch operations (the decoder's path where the native one does not
+    serve: no compiler, another dtype or device): q [n, nh, d], k / v [n, nkv, >=S, d], mask
+    [n, >=S] bool (True = attend) or None; `prefix` as attend's; out [n, nh, d]. The query heads of
+    a KV head side by side in two batched matmuls (no KV repeat), which beats the CPU's fused
+    attention kernel at one query per row."""
     n, nh, d = q.shape
     nkv = k.shape[1]
     scale = d ** -0.5 if scale is None else scale
@@ -109,8 +109,9 @@ def reference(q, k, v, S, mask=None, scale=None, prefix=None):
         kp, vp, pmask, pid = prefix
         keys, vals = torch.cat([kp[pid], keys], 2), torch.cat([vp[pid], vals], 2)
         if mask is not None or pmask is not None:
-            pm = pmask[pid] if pmask is not None else torch.ones(n, kp.shape[2], dtype=torch.bool)
-            mask = torch.cat([pm, mask if mask is not None else torch.ones(n, S, dtype=torch.bool)], 1)
+            ones = (lambda m: torch.ones(n, m, dtype=torch.bool, device=q.device))
+            mask = torch.cat([pmask[pid] if pmask is not None else ones(kp.shape[2]),
+                              mask if mask is not None else ones(S)], 1)
     sc = torch.matmul(q.reshape(n, nkv, nh // nkv, d), keys.transpose(-1, -2)) * scale
     if mask is not None:
         sc = sc.masked_fill(~mask[:, None, None, :], float("-inf"))
@@ -137,7 +138,7 @@ def _self_check(fn) -> None:
                       torch.tensor([2, 0, 0, 1, 2, 1][:n]))
         for threads in (1, 2):
             got = attend(q, k, v, S, mask, prefix=prefix, threads=threads, fn=fn)
-            want = reference(q, k, v, S, mask, prefix=prefix)
+            want = eager(q, k, v, S, mask, prefix=prefix)
             if got is None or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
                 err = "no result" if got is None else f"max error {(got - want).abs().max().item():.3g}"
                 raise RuntimeError(f"attend.c disagrees with the eager attention ({err}, n={n} nkv={nkv} "
@@ -181,10 +182,12 @@ def attend(q, k, v, S: int, mask=None, *, prefix=None, scale: float | None = Non
     of prompt pid[i] (int64 [n]), where pmask [B, P] (or None) is True. Float32 on the CPU, each
     position's values contiguous; returns out [n, nh, d], or None when the native code is
     unavailable or these tensors do not suit it (the caller runs eager)."""
+    if not usable(q, k, v):
+        return None                                    # before any build: another dtype or device
     fn = fn or attend_fn()
     n, nh, d = q.shape
     nkv = k.shape[1]
-    if (fn is None or not usable(q, k, v) or nh % nkv or S < 1 or S > k.shape[2] or q.stride(2) != 1
+    if (fn is None or nh % nkv or S < 1 or S > k.shape[2] or q.stride(2) != 1
             or q.stride(1) != d or not _rows(k, d) or not _rows(v, d)):
         return None
     if mask is not None and (mask.dtype != torch.bool or mask.dim() != 2 or mask.stride(1) != 1 or mask.shape[1] < S):

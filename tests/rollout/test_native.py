@@ -46,7 +46,7 @@ def test_native_attention_equals_the_eager_one(n, nkv, r, d, L, B, P, masked):
             mask[:, S - 1] = True
         for threads in (1, 2, 3):
             got = native.attend(q, k, v, S, mask, prefix=prefix, threads=threads)
-            want = native.reference(q, k, v, S, mask, prefix=prefix)
+            want = native.eager(q, k, v, S, mask, prefix=prefix)
             assert got is not None
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
@@ -58,7 +58,7 @@ def test_strided_queries_and_a_non_default_scale():
     assert q.stride(0) == 8 * 32                                               # rows 8 heads apart, not 4
     k, v = torch.randn(6, 2, 10, 32, generator=g), torch.randn(6, 2, 10, 32, generator=g)
     got = native.attend(q, k, v, 7, scale=0.3)
-    torch.testing.assert_close(got, native.reference(q, k, v, 7, scale=0.3), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got, native.eager(q, k, v, 7, scale=0.3), rtol=1e-4, atol=1e-5)
 
 
 def test_non_finite_scores_reach_the_output_and_unsuitable_tensors_are_declined():
@@ -67,7 +67,7 @@ def test_non_finite_scores_reach_the_output_and_unsuitable_tensors_are_declined(
     q[2, 3, 5] = float("nan")                                   # row 2, head 3 (KV head 1)
     k[1, 0, 4, 0] = float("inf")                                # row 1, KV head 0: scores of +-inf
     k[3, 1, 2, 0] = float("-inf")
-    out, want = native.attend(q, k, v, 12), native.reference(q, k, v, 12)
+    out, want = native.attend(q, k, v, 12), native.eager(q, k, v, 12)
     assert torch.equal(torch.isfinite(out), torch.isfinite(want))       # NaN where the eager one has it
     assert not torch.isfinite(out[2, 3]).any() and torch.isfinite(out[0]).all()
     torch.testing.assert_close(out[torch.isfinite(want)], want[torch.isfinite(want)], rtol=1e-4, atol=1e-5)
