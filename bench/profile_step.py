@@ -25,17 +25,13 @@ import side_grpokit  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--fixed-length", action="store_true")
-    ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--run-dir", default="runs/bench/profile")
+    side_grpokit.workload_args(ap, "runs/bench/profile")
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--prompts", type=int, default=common.PROMPTS_PER_STEP, help="prompts per step (G stays 8)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     args.steps = 2
+    args.agent = False
     common.PROMPTS_PER_STEP = args.prompts
 
     import torch

@@ -21,6 +21,17 @@ def settings(args) -> dict:
     }
 
 
+def workload_args(ap, run_dir: str) -> None:
+    """The options of a one-off grpokit side (bench/profile_step.py, bench/update_check.py): the
+    benchmark's SmolLM2 workload by default."""
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--fixed-length", action="store_true")
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--run-dir", default=run_dir)
+
+
 def build(args):
     import torch
 

@@ -149,6 +149,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return _op()(x.reshape(-1, x.shape[-1]), w, b, "none", [], "").view(*x.shape[:-1], w.shape[0])
 
 
+def matmul_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b^T for 2-D a [M, K] and b [N, K] (either may be a transposed view), through oneDNN for
+    float32 CPU tensors when chosen; no autograd (for the backward of a custom function)."""
+    if _eligible(a, b) and use_onednn():
+        return _op()(a, b, None, "none", [], "")
+    return F.linear(a, b)
+
+
 def pack(w: torch.Tensor, rows: int) -> torch.Tensor:
     """`w` laid out for oneDNN, for `rows`-row inputs (others work too); `w` itself when packing
     is not chosen (`use_packed`). Inference only: a packed weight has no gradient."""

@@ -1,5 +1,5 @@
-"""A decoding step's attention as native code: grpokit/rollout/attend.c, built once per machine with
-the system's C compiler and loaded through ctypes.
+"""A decoding step's attention as native code: grpokit/csrc/attend.c, built and loaded by
+`grpokit.cbuild` (once per machine, with the system's C compiler, through ctypes).
 
 Why: at one query per row, the eager path's attention is two batched matmuls of tiny matrices
 (three query heads against one KV head's cache, per row) plus a scale and a softmax, six operations
@@ -7,82 +7,24 @@ and four intermediate tensors a layer; on SmolLM2-135M at 64 rows it was the lar
 decoding step spends beyond its matmuls (docs/performance.md). attend.c does it in one pass per
 (row, KV head), reading that row's keys and values once for its query heads.
 
-Why plain C through ctypes and not a PyTorch C++ extension: it compiles in about a second (a
-`torch/extension.h` build takes tens of seconds), needs no build tool beyond `cc`, and its one
-entry point takes pointers and strides. ctypes releases the GIL during the call.
-
-The library is built into `$GRPOKIT_CACHE/native` (default `~/.cache/grpokit/native`), named by a
-hash of the source, the compiler flags and the CPU's model and instruction sets, so a cache shared
-between different machines never loads a build for another CPU; a build is written to a temporary
-file and renamed, so concurrent processes never load a half-written one. On first load in a process
-it is checked against the eager computation on small inputs (grouped heads, a padding mask, several
-lengths); any failure (no compiler, a failed build, a mismatch) leaves the eager path in use, with
-one logged line. GRPOKIT_NATIVE=0 turns it off.
+On first load in a process it is checked against the eager computation on small inputs (grouped
+heads, a padding mask, several lengths); any failure (no compiler, a failed build, a mismatch)
+leaves the eager path in use, with one logged line. GRPOKIT_NATIVE=0 turns it off.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shlex
-import shutil
-import subprocess
-import tempfile
-import time
-from pathlib import Path
 
 import torch
 
-from grpokit.cache import cache_dir
+from grpokit import cbuild
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("attend.c")
-FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-pthread"]
+SOURCE = cbuild.CSRC / "attend.c"
 _state: dict = {}
 
 
-def _cpu_id() -> str:
-    """The CPU model and instruction-set flags (what -march=native compiles for)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
-def _build() -> Path:
-    cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")]
-    if not cc[0]:
-        raise RuntimeError("no C compiler (cc, gcc or clang) found")
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join([*cc, *FLAGS]).encode() + _cpu_id().encode()).hexdigest()[:16]
-    out = cache_dir("native") / f"attend-{key}.so"
-    _state["so"] = out.name
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        res = subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
-                             timeout=120)
-        if res.returncode != 0:
-            first = ((res.stderr or res.stdout).strip().splitlines() or ["no output"])[0]
-            raise RuntimeError(f"{Path(cc[0]).name} failed: {first}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
-
-
-def _load():
-    lib = ctypes.CDLL(str(_build()))
+def _bind(lib):
     fn = lib.grpokit_attend
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     fn.argtypes = [p, i64, p, i64, i64, p, i64, i64, p, i64,                # q, k, v, mask
@@ -148,19 +90,7 @@ def _self_check(fn) -> None:
 def attend_fn():
     """The loaded and checked native function, or None (eager), decided once per process."""
     if "fn" not in _state:
-        fn = None
-        if os.environ.get("GRPOKIT_NATIVE", "1").lower() in ("0", "off", "false", "no"):
-            log.info("native decode attention off (GRPOKIT_NATIVE=0): eager attention")
-        else:
-            try:
-                t = time.perf_counter()
-                fn = _load()
-                _self_check(fn)
-                log.info("native decode attention ready in %.1f s (%s)", time.perf_counter() - t, _state.get("so"))
-            except Exception as e:                     # noqa: BLE001 - any failure: eager, said once
-                log.warning("native decode attention unavailable, eager attention instead: %s", e)
-                fn = None
-        _state["fn"] = fn
+        _state["fn"] = cbuild.load("decode attention", SOURCE, _bind, _self_check)
     return _state["fn"]
 
 

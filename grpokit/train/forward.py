@@ -10,7 +10,11 @@ computes the same function with the model's own parameters (so autograd reaches 
 - the distinct prompts of the micro-batch run once; each completion attends to its prompt's keys
   and values, gathered by row (a differentiable index, so the prompt's gradient is the sum over
   its completions) -- the prompt is shared by the group in training as in sampling;
-- prompt and completion tokens go through each projection as one matrix (one GEMM per weight);
+- prompt and completion tokens go through each projection as one matrix (one GEMM per weight),
+  and padding does not: short prompts' left padding and the right padding of completions that
+  ended early are left out of the matrix (the real tokens packed), and placed back, as zeros, only
+  for attention's padded layout -- with EOS, a group's rows end far apart, and its padding was
+  half of what the projections multiplied;
 - RMSNorm is `torch.nn.functional.rms_norm`, rotary one expression per tensor, attention
   `scaled_dot_product_attention` with grouped KV heads and an explicit boolean mask.
 
@@ -106,6 +110,13 @@ def prompt_shared_states(model, ids: torch.Tensor, att: torch.Tensor, P: int, L:
     p_pos = (p_att.long().cumsum(-1) - 1).clamp(min=0)                      # [u, P]
     c_pos = (p_att.sum(-1)[inv][:, None] + c_att.long().cumsum(-1) - 1).clamp(min=0)   # [m, Lc]
     pos = torch.cat([p_pos.flatten(), c_pos.flatten()])                     # [Np + Nc]
+    # padding (short prompts, completions that ended early) goes through no projection: the
+    # layers' matmuls see the real tokens only, packed, and attention the padded layout
+    real = torch.cat([p_att.flatten(), c_att.flatten()])
+    idx = None if bool(real.all()) else real.nonzero().squeeze(1)          # [Nr] real positions
+    full = real.numel()
+    if idx is not None:
+        pos = pos[idx]
     rot = inner.rotary_emb
     freqs = pos[:, None].float() * rot.inv_freq.float().to(dev)[None]
     emb = torch.cat((freqs, freqs), -1)
@@ -125,13 +136,18 @@ def prompt_shared_states(model, ids: torch.Tensor, att: torch.Tensor, P: int, L:
                             causal_c[None] & c_att[:, None, :]], -1)[:, None]   # [m, 1, Lc, P + Lc]
 
     Np = u * P
-    x = F.embedding(torch.cat([p_ids.flatten(), c_ids.flatten()]), inner.embed_tokens.weight)   # [N, H]
+
+    def unpack(t):                     # [Nr, ...] packed -> [Np + Nc, ...], zeros at padding
+        return t if idx is None else t.new_zeros((full, *t.shape[1:])).index_put((idx,), t)
+
+    tokens = torch.cat([p_ids.flatten(), c_ids.flatten()])
+    x = F.embedding(tokens if idx is None else tokens[idx], inner.embed_tokens.weight)   # [Nr, H]
     for layer in inner.layers:
         a, mlp = layer.self_attn, layer.mlp
         h = _rms(x, layer.input_layernorm.weight, eps)
-        q = _rope(_proj(h, a.q_proj).view(-1, nh, d), cos, sin)
-        k = _rope(_proj(h, a.k_proj).view(-1, nkv, d), cos, sin)
-        v = _proj(h, a.v_proj).view(-1, nkv, d)
+        q = unpack(_rope(_proj(h, a.q_proj).view(-1, nh, d), cos, sin))
+        k = unpack(_rope(_proj(h, a.k_proj).view(-1, nkv, d), cos, sin))
+        v = unpack(_proj(h, a.v_proj).view(-1, nkv, d))
         kp = k[:Np].view(u, P, nkv, d).transpose(1, 2)                      # [u, nkv, P, d]
         vp = v[:Np].view(u, P, nkv, d).transpose(1, 2)
         qp = q[:Np].view(u, P, nh, d).transpose(1, 2)
@@ -143,10 +159,11 @@ def prompt_shared_states(model, ids: torch.Tensor, att: torch.Tensor, P: int, L:
             qc = q[Np:].view(m, Lc, nh, d).transpose(1, 2)
             o.append(F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask_c, enable_gqa=gqa)
                      .transpose(1, 2).reshape(m * Lc, nh * d))
-        x = x + _proj(torch.cat(o) if Lc else o[0], a.o_proj)
+        o = torch.cat(o) if Lc else o[0]
+        x = x + _proj(o if idx is None else o[idx], a.o_proj)
         h = _rms(x, layer.post_attention_layernorm.weight, eps)
         x = x + _proj(F.silu(_proj(h, mlp.gate_proj)) * _proj(h, mlp.up_proj), mlp.down_proj)
-    x = _rms(x, inner.norm.weight, eps)
+    x = unpack(_rms(x, inner.norm.weight, eps))
     first = x[:Np].view(u, P, -1)[:, -1][inv]                               # [m, H] predicts token 0
     if not Lc:
         return first[:, None]

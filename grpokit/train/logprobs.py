@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from grpokit.gemm import fast_linears
 from grpokit.train import forward as lean_forward
+from grpokit.train import head as head_lib
 
 
 def unwrap(model):
@@ -82,33 +83,48 @@ def build_micro_batch(rows: list[int], prompt_ids: list[list[int]], completion_i
                       completion_mask[rows, :L].clone())
 
 
-def plan_micro_batches(total_lengths: list[int], size: int, prompts: list | None = None) -> list[list[int]]:
-    """Cut row indices into micro-batches of `size`, grouping sequences of similar total length.
+PAD_COST = 0.25   # a padded completion position against a real token, for the lean forward (attention
+                  # and copies in the padded layout; no matmul)
 
-    With `prompts` (each row's prompt ids, for a forward that runs each distinct prompt of a
-    micro-batch once: `uses_lean_forward`), a second plan keeps the rows of a prompt together
-    (prompts ordered by their longest row) and the plan that feeds fewer tokens wins: the second
-    saves the repeated prompts, the first the padding of ragged completions."""
+
+def plan_micro_batches(total_lengths: list[int], size: int, prompts: list | None = None) -> list[list[int]]:
+    """Cut row indices into micro-batches, grouping sequences of similar total length.
+
+    Without `prompts`: `size` rows each. With `prompts` (each row's prompt ids, for the forward that
+    runs each distinct prompt of a micro-batch once and leaves padding out of its matmuls:
+    `uses_lean_forward`), a micro-batch holds as many rows as fit the tokens that `size` of the
+    batch's longest completions under its longest prompt feed (counting each distinct prompt once,
+    the completion tokens fed, and a padded position at PAD_COST of a token): completions that
+    ended early share a micro-batch with more rows, so the matmuls stay large and the activation
+    memory stays within what `size` full rows take. Two orders are cut so, rows by total length and rows kept together by prompt
+    (prompts ordered by their longest row); the plan that feeds fewer tokens wins."""
     order = sorted(range(len(total_lengths)), key=lambda i: total_lengths[i])
-    by_length = [order[i:i + size] for i in range(0, len(order), size)]
     if prompts is None:
-        return by_length
+        return [order[i:i + size] for i in range(0, len(order), size)]
     keys = [tuple(p) for p in prompts]
     longest: dict[tuple, int] = {}
     for k, t in zip(keys, total_lengths):
         longest[k] = max(longest.get(k, 0), t)
     first = {k: i for i, k in reversed(list(enumerate(keys)))}
-    order = sorted(range(len(keys)), key=lambda i: (longest[keys[i]], first[keys[i]], total_lengths[i]))
-    by_prompt = [order[i:i + size] for i in range(0, len(order), size)]
+    by_prompt = sorted(range(len(keys)), key=lambda i: (longest[keys[i]], first[keys[i]], total_lengths[i]))
 
-    def fed(plan):                     # tokens through the layers: distinct prompts + completions
-        n = 0
-        for mb in plan:
-            P = max(len(keys[i]) for i in mb)
-            L = max(total_lengths[i] - len(keys[i]) for i in mb)
-            n += len({keys[i] for i in mb}) * P + len(mb) * max(L - 1, 0)
-        return n
-    return by_prompt if fed(by_prompt) < fed(by_length) else by_length
+    def cost(mb):                      # the matmuls' tokens: each distinct prompt of a micro-batch once,
+        fed_c = [max(total_lengths[i] - len(keys[i]) - 1, 0) for i in mb]   # completion tokens but the
+        return (sum(len(k) for k in {keys[i] for i in mb}) + sum(fed_c)       # last; padding in attention
+                + PAD_COST * sum(max(fed_c) - c for c in fed_c))
+    # what `size` of the batch's longest completions under its longest prompt feed
+    budget = max(map(len, keys), default=0) + size * max((t - len(k) - 1 for t, k in zip(total_lengths, keys)), default=0)
+
+    def cut(rows):
+        plan, cur = [], []
+        for i in rows:
+            if cur and cost(cur + [i]) > budget:
+                plan.append(cur)
+                cur = []
+            cur.append(i)
+        return plan + ([cur] if cur else [])
+    plans = [cut(by_prompt), cut(order)]
+    return min(plans, key=lambda plan: sum(cost(mb) for mb in plan))
 
 
 def padding_fraction(batches: list[MicroBatch]) -> float:
@@ -170,22 +186,31 @@ def _completion_logprobs(model, mb, temperature, chunk_tokens, want_entropy, log
             hidden = backbone(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=False).last_hidden_state
         h = hidden[:, P - 1:P - 1 + L]                     # [m, L, H] states that predict the completion
     targets = mb.targets.to(dev)
-    m = h.shape[0]
+    real = mb.mask.to(dev).bool()
+    packed = not bool(real.all())          # the head sees real completion tokens only, packed in one row
+    if packed:
+        h, targets = h[real][None], targets[real][None]
+    m, L = h.shape[:2]
     vocab = head.weight.shape[0]
     need_ckpt = torch.is_grad_enabled() and m * L * vocab * 4 > logits_budget_bytes
+    fused = head_lib.applies(head, softcap, want_entropy, h, targets)   # native row kernels (grpokit.train.head)
+
+    def one(h, targets, keep):
+        if fused:
+            return head_lib.logprobs(h, head.weight, targets, temperature, want_entropy, keep_logits=keep)
+        args = (head, softcap, temperature, h, targets, want_entropy)
+        return _head_logprobs(*args) if keep else checkpoint(_head_logprobs, *args, use_reentrant=False)
     if not need_ckpt and m * L <= max(chunk_tokens, 1) * 4:
-        logp, ent = _head_logprobs(head, softcap, temperature, h, targets, want_entropy)
+        logp, ent = one(h, targets, True)
     else:
         step = max(1, chunk_tokens // max(m, 1))
-        parts = []
-        for s in range(0, L, step):
-            args = (head, softcap, temperature, h[:, s:s + step], targets[:, s:s + step], want_entropy)
-            parts.append(checkpoint(_head_logprobs, *args, use_reentrant=False) if need_ckpt
-                         else _head_logprobs(*args))
+        parts = [one(h[:, s:s + step], targets[:, s:s + step], not need_ckpt) for s in range(0, L, step)]
         logp = torch.cat([p[0] for p in parts], 1)
         ent = torch.cat([p[1] for p in parts], 1)
-    maskf = mb.mask.to(dev, logp.dtype)
-    return logp * maskf, ent * maskf
+    if packed:                             # back to [rows, L], 0 at padding
+        return (logp.new_zeros(real.shape).index_put((real,), logp[0]),
+                ent.new_zeros(real.shape).index_put((real,), ent[0]))
+    return logp, ent
 
 
 @torch.no_grad()

@@ -223,3 +223,24 @@ def test_lora_over_a_bfloat16_base_runs_in_the_adapters_dtype():
     with lean.disabled():
         want, _ = completion_logprobs(wrapped, mb)
     torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
+
+
+def test_padding_goes_through_no_projection(monkeypatch):
+    """The layers' matmuls see each distinct prompt's real tokens once and the completion tokens fed
+    (all but the last of a row), no padding: the rows of every projection's input are counted."""
+    tok, model = _model("qwen2")
+    mb = _batch(tok, L=5)
+    seen = []
+    real_linear = lean.linear
+
+    def counting(x, w, b=None):
+        seen.append(x.reshape(-1, x.shape[-1]).shape[0])
+        return real_linear(x, w, b)
+    monkeypatch.setattr(lean, "linear", counting)
+    completion_logprobs(model, mb)
+    P = mb.prompt_len
+    prompts = {tuple(mb.input_ids[r, :P][mb.attention_mask[r, :P].bool()].tolist()) for r in range(len(mb.rows))}
+    fed = sum(len(p) for p in prompts) + int(mb.mask[:, :-1].sum())    # the last column predicts nothing
+    padded = len(prompts) * P + mb.mask[:, :-1].numel()
+    assert fed < padded                                   # the batch has padding to leave out
+    assert set(seen) == {fed}

@@ -50,9 +50,34 @@ def test_plan_keeps_a_prompts_rows_together_when_that_feeds_fewer_tokens():
     comp = [2, 5, 3, 4, 5, 2, 4, 3]
     plan = plan_micro_batches([10 + c for c in comp], 4, prompts)
     assert sorted(map(sorted, plan)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    # one-token prompts and very ragged completions: padding costs more than repeated prompts
+
+
+def _fed(mb, prompts, comp):
+    """What a micro-batch feeds the lean forward's matmuls, counted independently of the planner:
+    each distinct prompt once, each completion but its last token, a padded position at a quarter."""
+    fed = [c - 1 for c in (comp[i] for i in mb)]
+    return sum(len(p) for p in {tuple(prompts[i]) for i in mb}) + sum(fed) + 0.25 * sum(max(fed) - f for f in fed)
+
+
+def test_plan_keeps_full_length_groups_as_they_are():
+    prompts = [[7] * 12] * 4 + [[8] * 9] * 4 + [[9] * 12] * 4
+    plan = plan_micro_batches([len(p) + 16 for p in prompts], 4, prompts)
+    assert sorted(map(sorted, plan)) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+def test_plan_packs_short_completions_into_fewer_larger_micro_batches():
+    # five prompts x 4 rows; in each group one completion runs to 30 tokens, the others end at 2-4
+    g = torch.Generator().manual_seed(0)
+    prompts = [[k] * 8 for k in range(5) for _ in range(4)]
+    comp = [30 if i % 4 == 0 else int(torch.randint(2, 5, (1,), generator=g)) for i in range(20)]
+    plan = plan_micro_batches([len(p) + c for p, c in zip(prompts, comp)], 4, prompts)
+    assert sorted(i for mb in plan for i in mb) == list(range(20))           # every row once
+    budget = 8 + 4 * 29                                                       # 4 full rows under the prompt
+    assert all(_fed(mb, prompts, comp) <= budget for mb in plan)
+    assert len(plan) < 5 and max(map(len, plan)) > 4                        # fewer, larger than 4 rows
+    # one-token prompts and very ragged completions: each micro-batch within the budget too
     prompts = [[1]] * 4 + [[2]] * 4
     comp = [1, 60, 2, 61, 59, 1, 62, 2]
     plan = plan_micro_batches([1 + c for c in comp], 4, prompts)
-    assert plan == plan_micro_batches([1 + c for c in comp], 4)
-    assert sorted(map(sorted, plan)) == [[0, 2, 5, 7], [1, 3, 4, 6]]
+    assert sorted(i for mb in plan for i in mb) == list(range(8))
+    assert all(_fed(mb, prompts, comp) <= 1 + 4 * 61 for mb in plan)

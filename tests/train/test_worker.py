@@ -57,3 +57,27 @@ def test_lr_schedule_warms_up_then_decays():
     assert [f(s) for s in range(2)] == [0.5, 1.0]
     assert f(2) == pytest.approx(1.0) and f(4) == pytest.approx(0.5) and f(6) == pytest.approx(0.0)
     assert lr_lambda(0, "linear", 4)(1) == pytest.approx(0.75) and lr_lambda(0, "constant", 4)(3) == 1.0
+
+
+def test_adamw_is_fused_for_plain_tensors_and_keeps_it_across_a_loaded_state():
+    from grpokit.train.worker import adamw
+
+    g = torch.Generator().manual_seed(0)
+    w0 = [torch.randn(7, 5, generator=g), torch.randn(5, generator=g)]
+    grads = [[torch.randn_like(w) for w in w0] for _ in range(4)]
+    runs = {}
+    for fused in (True, False):
+        params = [torch.nn.Parameter(w.clone()) for w in w0]
+        opt = adamw(params, lr=1e-2, weight_decay=0.1) if fused else torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+        for gs in grads:
+            for p, gr in zip(params, gs):
+                p.grad = gr.clone()
+            opt.step()
+        runs[fused] = (params, opt)
+    assert runs[True][1].param_groups[0]["fused"] is True
+    for a, b in zip(runs[True][0], runs[False][0]):          # the same update as the multi-tensor form
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    opt = runs[True][1]
+    opt.load_state_dict(runs[False][1].state_dict())          # a checkpoint saved by a non-fused run
+    assert opt.param_groups[0]["fused"] is True
+    opt.step()                                                # and it still steps

@@ -9,8 +9,8 @@
  * padding). It is what the decoder's eager path computes with two batched matmuls, a scale and a
  * softmax, in one pass per (row, KV head), with no intermediate tensor: the row's keys and values
  * are read once for its r query heads, and the rows of one prompt, which run one after another,
- * find the prompt's keys still in the core's caches. Built and loaded by grpokit/rollout/native.py,
- * which checks it against the eager computation before using it.
+ * find the prompt's keys still in the core's caches. Built by grpokit/cbuild.py and loaded by
+ * grpokit/rollout/native.py, which checks it against the eager computation before using it.
  *
  * Layouts (strides in elements): q[i, h, c] at q + i*q_row + h*d + c; k[i, g, j, c] at
  * k + i*k_row + g*k_head + j*d + c (v, kp, vp alike, kp / vp indexed by prompt); mask[i, j] at
@@ -24,12 +24,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define VEC 1
-#else
-#define VEC 0
-#endif
+#include "simd.h"
 
 typedef struct {
     const float *q, *k, *v, *kp, *vp;
@@ -43,32 +38,6 @@ typedef struct {
     int status;
 } job_t;
 
-#if VEC
-static inline float hsum(__m256 a) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* e^x for x <= 0 (Cephes' single-precision polynomial, within 2 ulp); x below -87.3 gives
-   about 1e-38, not 0, which a softmax with its maximum term at 1 cannot tell apart */
-static inline __m256 exp_neg(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    __m256 g = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    g = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), g);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(g, g), _mm256_add_ps(g, _mm256_set1_ps(1.0f)));
-    __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(n));
-}
-#endif
 
 /* exp(s[j] - max) in place (masked entries, -INFINITY, come out exactly 0); returns 1 / their sum.
    A NaN or +inf score, or a row with every key masked, gives NaN everywhere, as the eager softmax

@@ -1,0 +1,104 @@
+"""grpokit's small C kernels: built once per machine with the system's C compiler, loaded through
+ctypes, checked against PyTorch before first use, and replaced by the PyTorch path on any failure.
+
+The sources are in grpokit/csrc/: the decoding step's attention (attend.c, `grpokit.rollout.native`)
+and the LM head's fused log-probabilities (head_logp.c, `grpokit.train.head`), with what they share
+in simd.h.
+
+Why plain C through ctypes and not a PyTorch C++ extension: a kernel compiles in about a second (a
+`torch/extension.h` build takes tens of seconds), needs no build tool beyond `cc`, and each entry
+point takes pointers and strides. ctypes releases the GIL during a call.
+
+A library is built into `$GRPOKIT_CACHE/native` (default `~/.cache/grpokit/native`), named by a
+hash of its source and the headers beside it, the compiler and flags, and the CPU's model and instruction sets, so a cache
+shared between different machines never loads a build for another CPU; a build is written to a
+temporary file and renamed, so concurrent processes never load a half-written one. `CC` picks the
+compiler (it may carry arguments: `CC="ccache gcc"`); GRPOKIT_NATIVE=0 turns every kernel off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from grpokit.cache import cache_dir
+
+log = logging.getLogger(__name__)
+
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-pthread"]
+CSRC = Path(__file__).with_name("csrc")
+
+
+def _cpu_id() -> str:
+    """The CPU model and instruction-set flags (what -march=native compiles for)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def off() -> bool:
+    return os.environ.get("GRPOKIT_NATIVE", "1").lower() in ("0", "off", "false", "no")
+
+
+def compiler() -> list[str] | None:
+    """The C compiler command: `CC` (split as a shell would), else cc, gcc or clang on PATH."""
+    cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")]
+    return cc if cc[0] and shutil.which(cc[0]) else None
+
+
+def build(source: Path) -> Path:
+    """The shared library of `source` for this machine: from the cache, or compiled now."""
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang) found")
+    src = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    key = hashlib.sha256(src + " ".join([*cc, *FLAGS]).encode() + _cpu_id().encode()).hexdigest()[:16]
+    out = cache_dir("native") / f"{source.stem}-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        res = subprocess.run([*cc, *FLAGS, "-I", str(source.parent), "-o", tmp, str(source), "-lm"],
+                             capture_output=True, text=True,
+                             timeout=120)
+        if res.returncode != 0:
+            first = ((res.stderr or res.stdout).strip().splitlines() or ["no output"])[0]
+            raise RuntimeError(f"{Path(cc[0]).name} failed: {first}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def load(what: str, source: Path, bind, check):
+    """`bind(ctypes.CDLL)` -> the kernel's entry point(s), then `check(them)` (raises on a mismatch
+    with PyTorch); returns them, or None (GRPOKIT_NATIVE=0, no compiler, a failed build or check:
+    one logged line, naming `what`). Call once per process and keep the result."""
+    if off():
+        log.info("native %s off (GRPOKIT_NATIVE=0): PyTorch instead", what)
+        return None
+    try:
+        t = time.perf_counter()
+        path = build(source)
+        fns = bind(ctypes.CDLL(str(path)))
+        check(fns)
+        log.info("native %s ready in %.1f s (%s)", what, time.perf_counter() - t, path.name)
+        return fns
+    except Exception as e:                     # noqa: BLE001 - any failure: PyTorch, said once
+        log.warning("native %s unavailable, PyTorch instead: %s", what, e)
+        return None
