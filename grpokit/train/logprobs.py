@@ -96,8 +96,9 @@ def plan_micro_batches(total_lengths: list[int], size: int, prompts: list | None
     batch's longest completions under its longest prompt feed (counting each distinct prompt once,
     the completion tokens fed, and a padded position at PAD_COST of a token): completions that
     ended early share a micro-batch with more rows, so the matmuls stay large and the activation
-    memory stays within what `size` full rows take. Two orders are cut so, rows by total length and rows kept together by prompt
-    (prompts ordered by their longest row); the plan that feeds fewer tokens wins."""
+    memory stays within what `size` full rows take. Two orders, rows by total length and rows kept
+    together by prompt (prompts ordered by their longest row), are cut so and into `size` rows each;
+    the plan that feeds fewer tokens wins, and of equals the one with fewer micro-batches."""
     order = sorted(range(len(total_lengths)), key=lambda i: total_lengths[i])
     if prompts is None:
         return [order[i:i + size] for i in range(0, len(order), size)]
@@ -123,8 +124,9 @@ def plan_micro_batches(total_lengths: list[int], size: int, prompts: list | None
                 cur = []
             cur.append(i)
         return plan + ([cur] if cur else [])
-    plans = [cut(by_prompt), cut(order)]
-    return min(plans, key=lambda plan: sum(cost(mb) for mb in plan))
+    rows = [[o[i:i + size] for i in range(0, len(o), size)] for o in (by_prompt, order)]   # `size` rows each
+    plans = [cut(by_prompt), cut(order), *rows]
+    return min(plans, key=lambda plan: (sum(cost(mb) for mb in plan), len(plan)))
 
 
 def padding_fraction(batches: list[MicroBatch]) -> float:

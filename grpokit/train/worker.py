@@ -226,7 +226,7 @@ class LocalWorker:
                     self._causes.append(str(exc))
                     continue
                 for st, ntok in micro:
-                    for k in ("loss/policy", "loss/kl", "loss/total", "loss/token_mean"):
+                    for k in ("loss/policy", "loss/kl", "loss/total", "loss/token_mean", "loss/entropy_bonus"):
                         if k in st:
                             mini_loss[k] = mini_loss.get(k, 0.0) + st.pop(k)
                     r = st.pop("policy/ratio_max", float("nan"))
