@@ -60,10 +60,16 @@ def supports(model) -> bool:
         return False
     if model.training and float(getattr(cfg, "attention_dropout", 0.0) or 0.0) > 0:
         return False
-    inner = model.model
-    if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
-        return False
-    return not any(mod._forward_hooks or mod._forward_pre_hooks for mod in inner.modules())
+    return not hooked(*model.model.modules())
+
+
+def hooked(*modules) -> bool:
+    """Whether a hook would see these modules' forward (or backward) run: a grpokit path that
+    computes them from their parameters instead must step aside (fault injection, reference dropout)."""
+    m = torch.nn.modules.module
+    return bool(m._global_forward_hooks or m._global_forward_pre_hooks) or any(
+        mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks or mod._backward_pre_hooks
+        for mod in modules)
 
 
 def _proj(h: torch.Tensor, mod) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch
 
 from grpokit import cbuild
 from grpokit.gemm import matmul_t
+from grpokit.train.forward import hooked
 
 SOURCE = cbuild.CSRC / "head_logp.c"
 _state: dict = {}
@@ -99,8 +100,7 @@ def applies(head, softcap, want_entropy, h: torch.Tensor, targets: torch.Tensor)
             or w.dtype != torch.float32 or h.dtype != torch.float32 or w.device.type != "cpu"
             or h.device.type != "cpu" or targets.numel() == 0):
         return False
-    if (head._forward_hooks or head._forward_pre_hooks or head._backward_hooks or head._backward_pre_hooks
-            or torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks):
+    if hooked(head):
         return False                               # a hook on the head's forward must see it run
     if int(targets.min()) < 0 or int(targets.max()) >= w.shape[0]:
         return False                               # PyTorch's gather raises its own error
