@@ -22,7 +22,6 @@ import ctypes
 import hashlib
 import logging
 import os
-import platform
 import shlex
 import shutil
 import subprocess
@@ -30,22 +29,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from grpokit.cache import cache_dir
+from grpokit.cache import cache_dir, cpu_id
 
 log = logging.getLogger(__name__)
 
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-pthread"]
 CSRC = Path(__file__).with_name("csrc")
-
-
-def _cpu_id() -> str:
-    """The CPU model and instruction-set flags (what -march=native compiles for)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor() or platform.machine()
 
 
 def off() -> bool:
@@ -64,7 +53,7 @@ def build(source: Path) -> Path:
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) found")
     src = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    key = hashlib.sha256(src + " ".join([*cc, *FLAGS]).encode() + _cpu_id().encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + " ".join([*cc, *FLAGS]).encode() + cpu_id().encode()).hexdigest()[:16]
     out = cache_dir("native") / f"{source.stem}-{key}.so"
     if out.exists():
         return out

@@ -13,14 +13,22 @@ What this module offers:
   - `pack(w, rows)` / `linear(x, packed, b)`: a weight laid out once for many calls (generation;
     chosen by its own timing at decoding's shapes, `use_packed`);
   - `fast_linears(*models)`: a context in which the models' `nn.Linear` layers use `linear`;
-  - `choose(mode)`: `auto` (default) times both on this machine, once per process, and keeps oneDNN
-    if it is at least 15% faster; `onednn` / `blas` force one. Env: GRPOKIT_CPU_GEMM.
+  - `choose(mode)`: `auto` (default) times both on this machine and keeps oneDNN if it is at least
+    15% faster; `onednn` / `blas` force one. Env: GRPOKIT_CPU_GEMM.
+
+The `auto` choice is timed once per machine, not per process, and kept in
+`$GRPOKIT_CACHE/gemm/` (named by the CPU and the torch version): two GEMMs differ in summation
+order, so a choice timed again by every process would, on a loaded machine, let a rollout server and
+the trainer's ranks, or two runs of one seed, round differently.
 
 Only float32 tensors on the CPU are affected; everything else goes to `F.linear` unchanged.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 import time
 import types
@@ -28,6 +36,10 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+
+from grpokit.cache import cache_dir, cpu_id
+
+log = logging.getLogger(__name__)
 
 _state: dict = {"mode": os.environ.get("GRPOKIT_CPU_GEMM", "auto"), "use": None, "packed": None}
 
@@ -64,8 +76,57 @@ def _race(a, b, rounds: int = 7) -> tuple[float, float]:
     return best[0], best[1]
 
 
+def _time_linear() -> bool:
+    try:
+        x, w = torch.randn(512, 512), torch.randn(1024, 512)
+        op = _op()
+        blas, dnn = _race(lambda: F.linear(x, w), lambda: op(x, w, None, "none", [], ""))
+        return dnn * 1.15 < blas
+    except RuntimeError:
+        return False
+
+
+def _time_packed() -> bool:
+    try:
+        x, w = torch.randn(64, 576), torch.randn(1536, 576)
+        op, packed = _op(), torch.ops.mkldnn._reorder_linear_weight(w, 64)
+        blas, dnn = _race(lambda: F.linear(x, w), lambda: op(x, packed, None, "none", [], ""))
+        return dnn < blas
+    except RuntimeError:
+        return False
+
+
+def _machine_choice(name: str, timed) -> bool:
+    """This machine's kept answer to `name`, or `timed()` run now and kept. The file is read and
+    written under a lock, so processes starting together (a launcher's ranks, a server) take one
+    answer; where the cache cannot be written, the process times for itself."""
+    key = hashlib.sha256((cpu_id() + torch.__version__).encode()).hexdigest()[:16]
+    path = cache_dir("gemm") / f"choice-{key}.json"
+    try:
+        import fcntl
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                kept = json.loads(path.read_text())
+                kept = kept if isinstance(kept, dict) else {}
+            except (OSError, ValueError):
+                kept = {}
+            if not isinstance(kept.get(name), bool):
+                kept[name] = bool(timed())
+                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(kept))
+                os.replace(tmp, path)
+                log.info("cpu gemm: %s = %s, timed on this machine and kept in %s (GRPOKIT_CPU_GEMM=onednn|blas "
+                         "forces one)", name, kept[name], path)
+            return kept[name]
+    except (OSError, ImportError) as e:
+        log.warning("cpu gemm: the choice cannot be kept (%s); timed by this process alone", e)
+        return bool(timed())
+
+
 def use_onednn() -> bool:
-    """Whether float32 CPU linears go through oneDNN (decided once per process)."""
+    """Whether float32 CPU linears go through oneDNN (decided once per machine, `_machine_choice`)."""
     if _state["use"] is None:
         mode = _state["mode"]
         if mode == "blas" or not available():
@@ -73,18 +134,12 @@ def use_onednn() -> bool:
         elif mode == "onednn":
             _state["use"] = True
         else:
-            try:
-                x, w = torch.randn(512, 512), torch.randn(1024, 512)
-                op = _op()
-                blas, dnn = _race(lambda: F.linear(x, w), lambda: op(x, w, None, "none", [], ""))
-                _state["use"] = dnn * 1.15 < blas
-            except RuntimeError:
-                _state["use"] = False
+            _state["use"] = _machine_choice("onednn_linear", _time_linear)
     return _state["use"]
 
 
 def use_packed() -> bool:
-    """Whether `pack` lays weights out for oneDNN (decided once per process, separately from
+    """Whether `pack` lays weights out for oneDNN (decided once per machine, separately from
     `use_onednn`). Decoding multiplies a few dozen rows by every weight, a shape where oneDNN with
     a weight packed for that row count beats the BLAS even on processors where the BLAS wins the
     square GEMMs that `use_onednn` times: on a Zen 3 core, 64 rows by SmolLM2's projections ran at
@@ -96,13 +151,7 @@ def use_packed() -> bool:
         elif mode == "onednn":
             _state["packed"] = True
         else:
-            try:
-                x, w = torch.randn(64, 576), torch.randn(1536, 576)
-                op, packed = _op(), torch.ops.mkldnn._reorder_linear_weight(w, 64)
-                blas, dnn = _race(lambda: F.linear(x, w), lambda: op(x, packed, None, "none", [], ""))
-                _state["packed"] = dnn < blas
-            except RuntimeError:
-                _state["packed"] = False
+            _state["packed"] = _machine_choice("onednn_packed_decode", _time_packed)
     return _state["packed"]
 
 

@@ -51,3 +51,30 @@ def test_blas_mode_leaves_f_linear():
         assert gemm.pack(lin.weight, 4) is lin.weight
     finally:
         gemm.choose("auto")
+
+
+def test_the_auto_choice_is_kept_per_machine_and_read_by_other_processes(tmp_path, monkeypatch):
+    """`auto` times once per machine: the answer kept in the cache is what every later process takes
+    (so a server and the ranks round alike), and a broken file is timed again and rewritten."""
+    import json
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("GRPOKIT_CACHE", str(tmp_path))
+    monkeypatch.delenv("GRPOKIT_CPU_GEMM", raising=False)
+    calls = []
+    assert gemm._machine_choice("probe", lambda: calls.append(1) or True) is True
+    assert gemm._machine_choice("probe", lambda: calls.append(1) or False) is True      # kept, not retimed
+    assert calls == [1]
+    [kept] = (tmp_path / "gemm").glob("choice-*.json")
+
+    ask = "from grpokit import gemm; print(gemm.use_onednn(), gemm.use_packed())"
+    for want in (True, False):      # another process takes the kept answer, whatever the timing says
+        kept.write_text(json.dumps({"probe": True, "onednn_linear": want, "onednn_packed_decode": not want}))
+        out = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, check=True,
+                             env={**__import__("os").environ, "GRPOKIT_CACHE": str(tmp_path)}).stdout.split()
+        assert out == [str(want), str(not want)]
+
+    kept.write_text("{not json")
+    assert gemm._machine_choice("probe", lambda: False) is False
+    assert json.loads(kept.read_text()) == {"probe": False}
