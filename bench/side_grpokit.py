@@ -162,11 +162,19 @@ def main() -> None:
     setup_s = time.perf_counter() - t0
     extra = {}
     if args.decode_check:
+        import torch
         prompt = trainer.encoder.encode(trainer.dataset[0]["prompt"])
         rows = common.PROMPTS_PER_STEP * common.GROUP_SIZE
         # mid-completion: the prompt and half of the new tokens in the cache
-        extra["decode_check"] = decode_check(trainer.model, rows, len(prompt) + args.max_new_tokens // 2,
-                                             common.TEMPERATURE, group=common.GROUP_SIZE, prompt_len=len(prompt))
+        check = dict(rows=rows, context=len(prompt) + args.max_new_tokens // 2, temperature=common.TEMPERATURE,
+                     group=common.GROUP_SIZE, prompt_len=len(prompt))
+        extra["decode_check"] = decode_check(trainer.model, **check)          # the run's threads, wall clock
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)                # one thread, its CPU time: what other load does not inflate
+        try:
+            extra["decode_check_1t"] = decode_check(trainer.model, **check)
+        finally:
+            torch.set_num_threads(threads)
 
     def step() -> dict:
         t, c = time.perf_counter(), time.process_time()
@@ -188,7 +196,7 @@ def main() -> None:
             "tool_calls": m.get("agent/tool_calls", 0.0),
         }
 
-    import torch
+    import torch  # noqa: F811
     common.serve(step, {"setup_s": setup_s, "settings": settings(args), "torch": torch.__version__,
                         "threads": torch.get_num_threads(), **extra})
 
