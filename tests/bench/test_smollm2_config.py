@@ -81,3 +81,24 @@ def test_the_agent_variant_runs_on_the_real_model_only_and_its_tool_and_reward_a
     turns = [{"role": "assistant", "content": "<tool_call>...</tool_call>"}, {"role": "tool", "content": "36"},
              {"role": "assistant", "content": "so \\boxed{35} no, \\boxed{36}"}]
     assert common.boxed_match(None, [turns, turns[:2], "\\boxed{36}", "36"], ["36"] * 4) == [1.0, 0.0, 1.0, 0.0]
+
+
+def test_the_decode_target_is_read_from_the_one_thread_check_and_both_are_reported():
+    def side(tok_s, rss, **extra):
+        return {"tokens_per_s": tok_s, "peak_rss_mb": rss, "step_s_median": 1.0, "step_s_min": 1.0, "step_s_max": 1.0,
+                "generation_s": 0.0, "reward_s": 0.0, "reference_s": 0.0, "update_s": 0.0, "flop_frac_of_peak": 0.5,
+                "update_flop_frac": 0.7, "settings": {"threads": 2}, **extra}
+
+    def check(step, mm):
+        return {"rows": 64, "context": 82, "step_s": step, "matmul_s": mm, "ratio": step / mm,
+                "matmul_gflop_per_s": 100.0, "step_s_all": [step] * 5}
+
+    res = [{"size": "smollm2", "max_new_tokens": 64, "variant": "fixed",
+            "grpokit": side(30.0, 40.0, decode_check=check(0.15, 0.1), decode_check_1t=check(0.24, 0.2)),
+            "trl": side(10.0, 100.0)}]
+    lines = "\n".join(run.targets(res))
+    assert "one thread, CPU time 1.20× (target ≤ 1.3×) met" in lines and "wall clock: 1.50×" in lines
+    res[0]["grpokit"]["decode_check_1t"] = check(0.28, 0.2)
+    assert "one thread, CPU time 1.40× (target ≤ 1.3×) MISSED" in "\n".join(run.targets(res))
+    table = run.fmt_table(res, 100e9)
+    assert "one thread, its CPU time" in table and "2 threads, wall clock" in table
