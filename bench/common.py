@@ -170,6 +170,21 @@ def step_flops(dims: Dims, prompt_lens: list[int], completion_lens: list[int], g
 
 
 # ------------------------------------------------------------------------------------------ memory
+def top_ops(prof, n: int) -> tuple[list[dict], float]:
+    """The `n` operations of a `torch.profiler` run with the most self CPU time (op, self_s, share of
+    the total, calls), and that total in seconds."""
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total_us = sum(e.self_cpu_time_total for e in ops)
+    return [{"op": e.key, "self_s": round(e.self_cpu_time_total / 1e6, 3),
+             "share": round(e.self_cpu_time_total / max(total_us, 1), 3), "calls": e.count}
+            for e in ops[:n]], total_us / 1e6
+
+
+def print_top_ops(top: list[dict]) -> None:
+    for r in top:
+        print(f"  {r['op'][:50]:<50} {r['self_s']:8.2f} s  {100 * r['share']:5.1f}%  {r['calls']:>8} calls")
+
+
 def peak_rss_mb() -> float:
     """Peak resident memory of this process so far, in MiB: VmHWM, the high-water mark of this
     program's own address space. (`getrusage`'s ru_maxrss is no good here: Linux carries the

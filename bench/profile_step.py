@@ -47,19 +47,14 @@ def main() -> None:
         m = trainer.step()
         step_s = time.perf_counter() - t
     phases = {k: round(float(v), 3) for k, v in m.items() if k.startswith("time/")}
-    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total_us = sum(e.self_cpu_time_total for e in ops)
-    top = [{"op": e.key, "self_s": round(e.self_cpu_time_total / 1e6, 3),
-            "share": round(e.self_cpu_time_total / max(total_us, 1), 3), "calls": e.count}
-           for e in ops[:args.top]]
+    top, total_s = common.top_ops(prof, args.top)
     out = {"warmup_step_s": round(warm_s, 2), "profiled_step_s": round(step_s, 2), "phases": phases,
-           "self_cpu_total_s": round(total_us / 1e6, 2), "top_ops": top, "threads": torch.get_num_threads(),
+           "self_cpu_total_s": round(total_s, 2), "top_ops": top, "threads": torch.get_num_threads(),
            "completion_tokens": int(trainer.last_batch.lengths.sum()), "load_average": os.getloadavg()}
     print(f"warm-up step {warm_s:.1f} s; profiled step {step_s:.1f} s; threads {torch.get_num_threads()}; "
           f"load average {os.getloadavg()[0]:.1f}")
     print("phases: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
-    for r in top:
-        print(f"  {r['op']:<40} {r['self_s']:8.2f} s  {100 * r['share']:5.1f}%  {r['calls']:>8} calls")
+    common.print_top_ops(top)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

@@ -108,11 +108,8 @@ def main() -> None:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             worker.train_step(batch, beta, step=999)
-        ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-        total = sum(e.self_cpu_time_total for e in ops)
-        out["top_ops"] = [{"op": e.key, "self_s": e.self_cpu_time_total / 1e6, "calls": e.count} for e in ops[:args.profile]]
-        for r in out["top_ops"]:
-            print(f"  {r['op'][:50]:<50} {r['self_s']:7.2f} s {100 * r['self_s'] * 1e6 / total:5.1f}%  {r['calls']:>7}")
+        out["top_ops"], _ = common.top_ops(prof, args.profile)
+        common.print_top_ops(out["top_ops"])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

@@ -20,11 +20,11 @@
  * allocated (out is then incomplete: the caller falls back).
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "simd.h"
+#include "threads.h"
 
 typedef struct {
     const float *q, *k, *v, *kp, *vp;
@@ -185,8 +185,6 @@ int grpokit_attend(const float *q, int64_t q_row, const float *k, int64_t k_row,
     if (threads > 64) threads = 64;
     if (threads > pairs) threads = pairs > 0 ? pairs : 1;
     job_t jobs[64];
-    pthread_t tid[64];
-    int started[64] = {0};
     int rc = 0;
     for (int t = 0; t < threads; t++) {
         job_t J = {q, k, v, kp, vp, mask, pmask, pid, out, q_row, k_row, k_head, v_row, v_head, m_row,
@@ -194,13 +192,7 @@ int grpokit_attend(const float *q, int64_t q_row, const float *k, int64_t k_row,
                    (int)((int64_t)pairs * t / threads), (int)((int64_t)pairs * (t + 1) / threads), -1};
         jobs[t] = J;
     }
-    for (int t = 1; t < threads; t++)
-        started[t] = pthread_create(&tid[t], NULL, run_thread, &jobs[t]) == 0;
-    run(&jobs[0]);
-    for (int t = 1; t < threads; t++) {
-        if (started[t]) pthread_join(tid[t], NULL);
-        else run(&jobs[t]);                                 /* no thread: do its share here */
-    }
+    run_jobs(jobs, sizeof(job_t), threads, run_thread);
     for (int t = 0; t < threads; t++)
         if (jobs[t].status != 0) rc = -1;
     return rc;

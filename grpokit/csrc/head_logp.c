@@ -21,11 +21,11 @@
  * caller's and threads - 1 more).
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "simd.h"
+#include "threads.h"
 
 #define FLUSH 1024
 
@@ -145,8 +145,6 @@ static void *run_backward(void *p) {
 
 static int64_t split(job_t base, int64_t n, int threads, void *(*fn)(void *)) {
     job_t jobs[MAX_THREADS];
-    pthread_t tid[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > n) threads = n > 0 ? (int)n : 1;
@@ -156,13 +154,7 @@ static int64_t split(job_t base, int64_t n, int threads, void *(*fn)(void *)) {
         jobs[k].r1 = n * (k + 1) / threads;
         jobs[k].bad = 0;
     }
-    for (int k = 1; k < threads; k++)
-        started[k] = pthread_create(&tid[k], NULL, fn, &jobs[k]) == 0;
-    fn(&jobs[0]);
-    for (int k = 1; k < threads; k++) {
-        if (started[k]) pthread_join(tid[k], NULL);
-        else fn(&jobs[k]);                                  /* no thread: run its rows here */
-    }
+    run_jobs(jobs, sizeof(job_t), threads, fn);
     int64_t bad = 0;
     for (int k = 0; k < threads; k++) bad += jobs[k].bad;
     return bad;
