@@ -1,9 +1,10 @@
 """grpokit's small C kernels: built once per machine with the system's C compiler, loaded through
 ctypes, checked against PyTorch before first use, and replaced by the PyTorch path on any failure.
 
-The sources are in grpokit/csrc/: the decoding step's attention (attend.c, `grpokit.rollout.native`)
-and the LM head's fused log-probabilities (head_logp.c, `grpokit.train.head`), with what they share
-in simd.h.
+The sources are in grpokit/csrc/: the decoding step's attention (attend.c, `grpokit.rollout.native`),
+the sampler's plain path (sample.c, `grpokit.rollout.native_sample`) and the LM head's fused
+log-probabilities (head_logp.c, `grpokit.train.head`), with what they share in simd.h and threads.h.
+Where PyTorch runs on GNU OpenMP, their jobs run on its thread team (`torch_openmp`).
 
 Why plain C through ctypes and not a PyTorch C++ extension: a kernel compiles in about a second (a
 `torch/extension.h` build takes tens of seconds), needs no build tool beyond `cc`, and each entry
@@ -47,30 +48,76 @@ def compiler() -> list[str] | None:
     return cc if cc[0] and shutil.which(cc[0]) else None
 
 
+def torch_openmp() -> str | None:
+    """The path of the GNU OpenMP runtime PyTorch's CPU operations run on, when that is their
+    parallel backend and the runtime is loaded in this process (Linux wheels ship their own
+    libgomp), else None. A kernel linked against this very file (not the system's libgomp, which
+    may be a second copy under another name) runs its jobs on the same thread team as PyTorch's
+    GEMMs: threads of its own would compete, on a small machine, with that team's workers, which
+    spin for a while after each parallel region (on two cores a decoding step's attention then took
+    a third of its time longer; docs/performance.md)."""
+    try:
+        import torch
+        if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+            return None
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1] if line.strip() else ""
+                if "/" in path and os.path.basename(path).startswith("libgomp") and ".so" in path:
+                    return path
+    except (ImportError, OSError, RuntimeError):
+        pass
+    return None
+
+
+def _run(cmd: list[str]) -> None:
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if res.returncode != 0:
+        first = ((res.stderr or res.stdout).strip().splitlines() or ["no output"])[0]
+        raise RuntimeError(f"{Path(cmd[0]).name} failed: {first}")
+
+
 def build(source: Path) -> Path:
-    """The shared library of `source` for this machine: from the cache, or compiled now."""
+    """The shared library of `source` for this machine: from the cache, or compiled now. Where
+    PyTorch runs on a GNU OpenMP runtime (`torch_openmp`), the kernel is compiled with OpenMP and
+    linked against that runtime (grpokit/csrc/threads.h: its jobs on PyTorch's thread team); if that
+    build fails, or elsewhere, with threads of its own."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) found")
+    omp = torch_openmp()
     src = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    key = hashlib.sha256(src + " ".join([*cc, *FLAGS]).encode() + cpu_id().encode()).hexdigest()[:16]
-    out = cache_dir("native") / f"{source.stem}-{key}.so"
+    ident = src + " ".join([*cc, *FLAGS]).encode() + cpu_id().encode()
+    plain = cache_dir("native") / f"{source.stem}-{hashlib.sha256(ident).hexdigest()[:16]}.so"
+    if omp is None:
+        return _build(cc, source, plain, None)
+    # the runtime's path names the build: a PyTorch with another runtime gets a build of its own
+    out = cache_dir("native") / f"{source.stem}-omp-{hashlib.sha256(ident + omp.encode()).hexdigest()[:16]}.so"
+    try:
+        return _build(cc, source, out, omp)
+    except RuntimeError as e:
+        log.info("native %s: no OpenMP build (%s); threads of its own", source.stem, e)
+        return _build(cc, source, plain, None)
+
+
+def _build(cc: list[str], source: Path, out: Path, omp: str | None) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
+    obj = tmp[:-3] + ".o"
     try:
-        res = subprocess.run([*cc, *FLAGS, "-I", str(source.parent), "-o", tmp, str(source), "-lm"],
-                             capture_output=True, text=True,
-                             timeout=120)
-        if res.returncode != 0:
-            first = ((res.stderr or res.stdout).strip().splitlines() or ["no output"])[0]
-            raise RuntimeError(f"{Path(cc[0]).name} failed: {first}")
+        if omp is None:
+            _run([*cc, *FLAGS, "-I", str(source.parent), "-o", tmp, str(source), "-lm"])
+        else:        # compiled with OpenMP, linked against the runtime file itself (no -lgomp)
+            _run([*cc, *FLAGS, "-fopenmp", "-c", "-I", str(source.parent), "-o", obj, str(source)])
+            _run([*cc, *FLAGS, "-o", tmp, obj, omp, "-lm"])
         os.replace(tmp, out)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for f in (tmp, obj):
+            if os.path.exists(f):
+                os.unlink(f)
     return out
 
 

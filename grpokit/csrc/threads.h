@@ -3,8 +3,24 @@
 #ifndef GRPOKIT_THREADS_H
 #define GRPOKIT_THREADS_H
 
-#include <pthread.h>
 #include <stddef.h>
+
+#ifdef _OPENMP
+/* Built with OpenMP (grpokit/cbuild.py does so where PyTorch's own parallel backend is the GNU
+ * OpenMP runtime already loaded in the process): the jobs run on that runtime's thread team, the
+ * one PyTorch's operations and GEMMs use, instead of threads of our own competing with its
+ * spinning workers for the same cores. */
+static void run_jobs(void *jobs, size_t size, int n, void *(*fn)(void *)) {
+    char *at = (char *)jobs;
+    if (n <= 1) {
+        if (n == 1) fn(at);
+        return;
+    }
+#pragma omp parallel for num_threads(n) schedule(static, 1)
+    for (int t = 0; t < n; t++) fn(at + t * size);
+}
+#else
+#include <pthread.h>
 
 /* fn(job) for each of the n jobs laid out `size` bytes apart from `jobs`: job 0 on the calling
  * thread, the others on threads of their own; a job whose thread cannot start runs here. */
@@ -21,5 +37,6 @@ static void run_jobs(void *jobs, size_t size, int n, void *(*fn)(void *)) {
         else fn(at + t * size);
     }
 }
+#endif
 
 #endif

@@ -131,8 +131,15 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
 
     The token is drawn by `draw` (one uniform number per row, not one per vocabulary entry), or at
     the given quantiles `u` [B] (from `PromptStreams`) instead of numbers drawn from `generator`.
+    At a temperature with no top-k, top-p or resampling, on float32 CPU logits, one native kernel
+    does it all at the same quantiles (grpokit.rollout.native_sample; PyTorch's path elsewhere).
     Raises NonFiniteLogits when a row has NaN/inf logits (no distribution to draw from).
     """
+    if (params.temperature > 0 and params.top_p >= 1.0 and params.resample_threshold is None
+            and not (params.top_k and params.top_k < logits.shape[-1])):
+        got = _native_draw(logits, params.temperature, generator, u)
+        if got is not None:
+            return got
     check_logits(logits)
     logits = logits.float()
     if params.temperature == 0:
@@ -163,6 +170,27 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     probs = torch.softmax(logits, -1)
     tok = draw(probs, generator) if u is None else inverse_cdf(probs, u)
     return tok, probs.gather(-1, tok[:, None]).squeeze(-1).log(), resampled
+
+
+def _native_draw(logits, temperature, generator, u):
+    """The plain path (temperature only) in one native kernel (grpokit.rollout.native_sample), at
+    the quantiles `draw` would use (the same numbers from `generator`, or `u`); None where it does
+    not serve (not float32 CPU logits, no compiler), and PyTorch's path runs."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+        return None
+    from grpokit.rollout import native_sample
+    if native_sample.sample_fn() is None:
+        return None
+    if u is None:
+        u = torch.rand((logits.shape[0],), dtype=torch.float64, generator=generator)
+    got = native_sample.sample(logits, 1.0 / temperature, u)
+    if got is None:
+        return None
+    tok, logp = got
+    if len(tok) and int(tok.min()) < 0:
+        check_logits(logits)                 # raises NonFiniteLogits, naming the rows
+        return None
+    return tok, logp, torch.zeros(len(tok), dtype=torch.bool)
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
