@@ -61,13 +61,13 @@ def torch_openmp() -> str | None:
         if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
             return None
         with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.split()[-1] if line.strip() else ""
-                if "/" in path and os.path.basename(path).startswith("libgomp") and ".so" in path:
-                    return path
+            found = {ln.split()[-1] for ln in f if "/libgomp" in ln and ".so" in ln.split()[-1]}
     except (ImportError, OSError, RuntimeError):
-        pass
-    return None
+        return None
+    own = [p for p in found if p.startswith(os.path.dirname(torch.__file__) + os.sep)]
+    if own or len(found) == 1:          # the wheel's own copy, or the only one (a system build's)
+        return (own or sorted(found))[0]
+    return None                         # none, or several and none of them PyTorch's: unknown
 
 
 def _run(cmd: list[str]) -> None:

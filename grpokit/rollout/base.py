@@ -137,7 +137,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     """
     if (params.temperature > 0 and params.top_p >= 1.0 and params.resample_threshold is None
             and not (params.top_k and params.top_k < logits.shape[-1])):
-        got = _native_draw(logits, params.temperature, generator, u)
+        got, u = _native_draw(logits, params.temperature, generator, u)
         if got is not None:
             return got
     check_logits(logits)
@@ -173,24 +173,25 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
 
 
 def _native_draw(logits, temperature, generator, u):
-    """The plain path (temperature only) in one native kernel (grpokit.rollout.native_sample), at
-    the quantiles `draw` would use (the same numbers from `generator`, or `u`); None where it does
-    not serve (not float32 CPU logits, no compiler), and PyTorch's path runs."""
+    """(tokens, log-probs, resampled) of the plain path (temperature only) in one native kernel
+    (grpokit.rollout.native_sample), at the quantiles `draw` would use (the same numbers from
+    `generator`, or `u`), and those quantiles; (None, u) where it does not serve (not float32 CPU
+    logits, no compiler), and PyTorch's path runs at the quantiles returned (None: not drawn yet)."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
-        return None
+        return None, u
     from grpokit.rollout import native_sample
     if native_sample.sample_fn() is None:
-        return None
+        return None, u
     if u is None:
         u = torch.rand((logits.shape[0],), dtype=torch.float64, generator=generator)
     got = native_sample.sample(logits, 1.0 / temperature, u)
     if got is None:
-        return None
+        return None, u
     tok, logp = got
     if len(tok) and int(tok.min()) < 0:
         check_logits(logits)                 # raises NonFiniteLogits, naming the rows
-        return None
-    return tok, logp, torch.zeros(len(tok), dtype=torch.bool)
+        return None, u
+    return (tok, logp, torch.zeros(len(tok), dtype=torch.bool)), u
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -128,3 +128,17 @@ def test_other_settings_and_tensors_take_pytorchs_path(monkeypatch):
     assert calls == []
     sample_next(x, SamplingParams(temperature=0.8), gen)
     assert calls == [1]
+
+
+def test_a_kernel_that_declines_after_the_draw_leaves_pytorch_the_same_numbers(monkeypatch):
+    """The random numbers are drawn once: where the kernel gives no result after they were drawn,
+    PyTorch's path samples at those same quantiles (the stream is not advanced twice)."""
+    x = torch.randn(16, 2000, generator=torch.Generator().manual_seed(9)) * 3
+    params = SamplingParams(temperature=0.9)
+    gen = torch.Generator().manual_seed(3)
+    want = [sample_next(x, params, gen)[0] for _ in range(3)]
+    monkeypatch.setattr(native_sample, "sample", lambda *a, **k: None)
+    gen = torch.Generator().manual_seed(3)
+    got = [sample_next(x, params, gen)[0] for _ in range(3)]
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
