@@ -2,8 +2,8 @@
  * the sampler's plain path (no top-k, no top-p, no over-confidence resampling).
  *
  * For row i of x [n, V] (row stride ld elements), with z = x * inv_t (inv_t = 1 / temperature > 0)
- * and m the row's largest z, token j has mass e_j = exp(z_j - m) (exactly 0 for a -inf logit and
- * for z_j - m < -87.3, where float32's exp is below 1e-38), and the drawn token is the first whose
+ * and m the row's largest z (rounded), token j has mass e_j = exp(z_j - m) (exactly 0 for a -inf
+ * logit and for z_j - m < -87.3, where float32's exp is below 1e-38), and the drawn token is the first whose
  * cumulative mass exceeds u_i * sum_j e_j: inverse transform sampling at the quantile u_i in [0, 1),
  * as grpokit.rollout.base.inverse_cdf does over PyTorch's softmax. Its log-probability
  * log(e_t / sum_j e_j) is returned with it.
@@ -17,7 +17,8 @@
  * rows, 5.9 ms at two threads and 10.9 ms at one, against 2.2 and 2.9 ms here (docs/performance.md).
  *
  * A row with a NaN or a +inf logit, or with every logit -inf, has no distribution: it gets token
- * -1 and is counted in the return value (the caller raises). Rows are split over `threads` threads
+ * -1 and is counted in the return value (the caller raises). Token -2 means the kernel declined
+ * (no memory for its sums, or the largest x * inv_t is 2^20 or more): the caller samples with PyTorch. Rows are split over `threads` threads
  * (the caller's and threads - 1 more); each row is computed by one thread in a fixed order, so the
  * result does not depend on the number of threads. Built and loaded by grpokit/cbuild.py;
  * grpokit/rollout/native_sample.py checks it against float64 PyTorch before using it.
@@ -74,12 +75,12 @@ static void masses(const float *x, int64_t j0, int64_t j1, float it, float nm, f
 #if VEC
     const __m256 vit = _mm256_set1_ps(it), vnm = _mm256_set1_ps(nm), lo = _mm256_set1_ps(LOW);
     for (; j + 8 <= j1; j += 8) {
-        const __m256 d = _mm256_min_ps(_mm256_fmadd_ps(_mm256_loadu_ps(x + j), vit, vnm), _mm256_setzero_ps());
+        const __m256 d = _mm256_fmadd_ps(_mm256_loadu_ps(x + j), vit, vnm);
         _mm256_storeu_ps(e + (j - j0), _mm256_and_ps(_mm256_cmp_ps(d, lo, _CMP_GE_OQ), exp_neg(d)));
     }
 #endif
     for (; j < j1; j++) {
-        float d = fminf(fmaf(x[j], it, nm), 0.f);
+        const float d = fmaf(x[j], it, nm);
         e[j - j0] = d >= LOW ? expf(d) : 0.f;
     }
 }
@@ -115,7 +116,16 @@ static void sample_row(job_t *a, int64_t i, double *bs) {
         a->bad++;
         return;
     }
-    const float nm = -(mx * it);
+    /* m = the largest z, rounded; every mass is e^(z_j - m) with z_j - m exact (one fma), so the
+       rounding of m shifts all of them alike and the distribution is exact. The largest z may then
+       sit up to half an ulp of m above m: below 2^20, under 0.04, where exp is still exact. Past
+       it (z near float's range, a temperature far below the logits' scale) the kernel declines. */
+    const float m = mx * it;
+    if (!(fabsf(m) < 1048576.f)) {
+        a->tok[i] = -2;
+        return;
+    }
+    const float nm = -m;
     double total = 0.0;
     for (int64_t b = 0; b < nb; b++) {
         const int64_t j0 = b * BLOCK, j1 = j0 + BLOCK < V ? j0 + BLOCK : V;

@@ -27,7 +27,8 @@ static inline float hmax(__m256 a) {
     return _mm_cvtss_f32(s);
 }
 
-/* e^x for x <= 0 (Cephes' single-precision polynomial, within 2 ulp); x below -87.3 gives
+/* e^x for x <= 0, and for x a little above it (Cephes' single-precision polynomial after range
+   reduction, within 2 ulp; sample.c passes up to 0.04); x below -87.3 gives
    about 1e-38, not 0 (callers that need an exact 0 there mask those lanes) */
 static inline __m256 exp_neg(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));

@@ -101,6 +101,6 @@ def sample(logits: torch.Tensor, inv_t: float, u: torch.Tensor, *, threads: int 
     lp = torch.empty(n, dtype=torch.float32)
     fn(logits.data_ptr(), logits.stride(0), n, V, float(inv_t), u.data_ptr(), tok.data_ptr(), lp.data_ptr(),
        torch.get_num_threads() if threads is None else threads)
-    if n and int(tok.min()) < -1:                       # a thread found no memory for its sums
+    if n and int(tok.min()) < -1:                       # declined: no memory, or logits * inv_t overflow
         return None
     return tok, lp

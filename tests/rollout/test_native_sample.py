@@ -142,3 +142,18 @@ def test_a_kernel_that_declines_after_the_draw_leaves_pytorch_the_same_numbers(m
     got = [sample_next(x, params, gen)[0] for _ in range(3)]
     for a, b in zip(want, got):
         assert torch.equal(a, b)
+
+
+def test_logits_far_past_the_temperature_scale_are_declined_and_near_it_exact():
+    """z = x / T of 2^20 or more: the kernel declines (PyTorch's path samples); just below, the
+    largest logit takes all the mass, and a row with ties splits it evenly."""
+    u = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    far = torch.tensor([[3.0, 2.0, 1.0e4], [1.0, 0.5, 0.0]])
+    assert native_sample.sample(far, 1e36, u) is None
+    assert native_sample.sample(far, 200.0, u) is None                       # 2e6 > 2^20
+    near = torch.tensor([[3.0, 2.0, 1.0e3], [7.0, 7.0, -1.0]])
+    tok, lp = native_sample.sample(near, 1000.0, torch.tensor([0.3, 0.75], dtype=torch.float64))
+    assert tok.tolist() == [2, 1]
+    torch.testing.assert_close(lp, torch.tensor([0.0, -0.6931472]), atol=1e-6, rtol=0)
+    params = SamplingParams(temperature=1 / 200)          # through sample_next: PyTorch's path draws
+    assert sample_next(far, params, None, u)[0].tolist() == [2, 0]
