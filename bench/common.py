@@ -169,7 +169,7 @@ def step_flops(dims: Dims, prompt_lens: list[int], completion_lens: list[int], g
     return {"generation": gen, "reference": gen, "policy": 3 * gen, "total": 5 * gen}
 
 
-# ------------------------------------------------------------------------------------------ memory
+# --------------------------------------------------------------------------------------- profiling
 def top_ops(prof, n: int) -> tuple[list[dict], float]:
     """The `n` operations of a `torch.profiler` run with the most self CPU time (op, self_s, share of
     the total, calls), and that total in seconds."""
@@ -183,6 +183,9 @@ def top_ops(prof, n: int) -> tuple[list[dict], float]:
 def print_top_ops(top: list[dict]) -> None:
     for r in top:
         print(f"  {r['op'][:50]:<50} {r['self_s']:8.2f} s  {100 * r['share']:5.1f}%  {r['calls']:>8} calls")
+
+
+# ------------------------------------------------------------------------------------------ memory
 
 
 def peak_rss_mb() -> float:

@@ -54,8 +54,8 @@ def torch_openmp() -> str | None:
     libgomp), else None. A kernel linked against this very file (not the system's libgomp, which
     may be a second copy under another name) runs its jobs on the same thread team as PyTorch's
     GEMMs: threads of its own would compete, on a small machine, with that team's workers, which
-    spin for a while after each parallel region (on two cores a decoding step's attention then took
-    a third of its time longer; docs/performance.md)."""
+    spin for a while after each parallel region (on two cores a decoding step's attention took about
+    twice as long inside the step as alone; docs/performance.md)."""
     try:
         import torch
         if "parallel backend: OpenMP" not in torch.__config__.parallel_info():

@@ -181,10 +181,8 @@ int grpokit_attend(const float *q, int64_t q_row, const float *k, int64_t k_row,
                    int64_t vp_head, const uint8_t *pmask, int64_t pm_row, const int64_t *pid, int P,
                    float *out, int n, int nkv, int r, int d, int S, float scale, int threads) {
     const int pairs = n * nkv;
-    if (threads < 1) threads = 1;
-    if (threads > 64) threads = 64;
-    if (threads > pairs) threads = pairs > 0 ? pairs : 1;
-    job_t jobs[64];
+    threads = job_count(threads, pairs);
+    job_t jobs[MAX_JOBS];
     int rc = 0;
     for (int t = 0; t < threads; t++) {
         job_t J = {q, k, v, kp, vp, mask, pmask, pid, out, q_row, k_row, k_head, v_row, v_head, m_row,

@@ -141,13 +141,9 @@ static void *run_backward(void *p) {
     return NULL;
 }
 
-#define MAX_THREADS 64
-
 static int64_t split(job_t base, int64_t n, int threads, void *(*fn)(void *)) {
-    job_t jobs[MAX_THREADS];
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > n) threads = n > 0 ? (int)n : 1;
+    job_t jobs[MAX_JOBS];
+    threads = job_count(threads, n);
     for (int k = 0; k < threads; k++) {
         jobs[k] = base;
         jobs[k].r0 = n * k / threads;

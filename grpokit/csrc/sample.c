@@ -17,8 +17,9 @@
  * rows, 5.9 ms at two threads and 10.9 ms at one, against 2.2 and 2.9 ms here (docs/performance.md).
  *
  * A row with a NaN or a +inf logit, or with every logit -inf, has no distribution: it gets token
- * -1 and is counted in the return value (the caller raises). Token -2 means the kernel declined
- * (no memory for its sums, or the largest x * inv_t is 2^20 or more): the caller samples with PyTorch. Rows are split over `threads` threads
+ * -1 and is counted in the return value (the caller raises). A row the kernel declines (no memory
+ * for its sums, or its largest x * inv_t is 2^20 or more) gets token -2 and makes the return value
+ * -1: the caller samples with PyTorch. Rows are split over `threads` threads
  * (the caller's and threads - 1 more); each row is computed by one thread in a fixed order, so the
  * result does not depend on the number of threads. Built and loaded by grpokit/cbuild.py;
  * grpokit/rollout/native_sample.py checks it against float64 PyTorch before using it.
@@ -41,7 +42,7 @@ typedef struct {
     int64_t *tok;
     float *logp;
     int64_t r0, r1;
-    int64_t bad;
+    int64_t bad, declined;
 } job_t;
 
 /* the row's largest logit, and whether it has a distribution: no NaN, no +inf, one logit > -inf */
@@ -123,6 +124,7 @@ static void sample_row(job_t *a, int64_t i, double *bs) {
     const float m = mx * it;
     if (!(fabsf(m) < 1048576.f)) {
         a->tok[i] = -2;
+        a->declined++;
         return;
     }
     const float nm = -m;
@@ -171,6 +173,7 @@ static void *run(void *p) {
     double *bs = malloc(sizeof(double) * (size_t)((a->V + BLOCK - 1) / BLOCK));
     if (!bs) {
         for (int64_t i = a->r0; i < a->r1; i++) a->tok[i] = -2;      /* no memory: the caller falls back */
+        a->declined += a->r1 - a->r0;
         return NULL;
     }
     for (int64_t i = a->r0; i < a->r1; i++) sample_row(a, i, bs);
@@ -178,22 +181,21 @@ static void *run(void *p) {
     return NULL;
 }
 
-#define MAX_THREADS 64
-
 /* tok [n] (int64) and logp [n] of the rows of x, drawn at the quantiles u [n]; returns the number of
-   rows without a distribution (token -1) */
+   rows without a distribution (token -1), or -1 where the kernel declined a row (token -2) */
 int64_t grpokit_sample(const float *x, int64_t ld, int64_t n, int64_t V, float inv_t, const double *u,
                        int64_t *tok, float *logp, int threads) {
-    job_t jobs[MAX_THREADS];
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > n) threads = n > 0 ? (int)n : 1;
+    job_t jobs[MAX_JOBS];
+    threads = job_count(threads, n);
     for (int k = 0; k < threads; k++) {
-        job_t j = {x, ld, V, inv_t, u, tok, logp, n * k / threads, n * (k + 1) / threads, 0};
+        job_t j = {x, ld, V, inv_t, u, tok, logp, n * k / threads, n * (k + 1) / threads, 0, 0};
         jobs[k] = j;
     }
     run_jobs(jobs, sizeof(job_t), threads, run);
-    int64_t bad = 0;
-    for (int k = 0; k < threads; k++) bad += jobs[k].bad;
-    return bad;
+    int64_t bad = 0, declined = 0;
+    for (int k = 0; k < threads; k++) {
+        bad += jobs[k].bad;
+        declined += jobs[k].declined;
+    }
+    return declined ? -1 : bad;
 }

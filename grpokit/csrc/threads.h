@@ -4,6 +4,16 @@
 #define GRPOKIT_THREADS_H
 
 #include <stddef.h>
+#include <stdint.h>
+
+#define MAX_JOBS 64
+
+/* how many jobs to split n items into for `threads` threads: 1 to MAX_JOBS, at most one per item */
+static inline int job_count(int threads, int64_t n) {
+    if (threads > MAX_JOBS) threads = MAX_JOBS;
+    if (threads > n) threads = (int)n;
+    return threads < 1 ? 1 : threads;
+}
 
 #ifdef _OPENMP
 /* Built with OpenMP (grpokit/cbuild.py does so where PyTorch's own parallel backend is the GNU
@@ -25,10 +35,10 @@ static void run_jobs(void *jobs, size_t size, int n, void *(*fn)(void *)) {
 /* fn(job) for each of the n jobs laid out `size` bytes apart from `jobs`: job 0 on the calling
  * thread, the others on threads of their own; a job whose thread cannot start runs here. */
 static void run_jobs(void *jobs, size_t size, int n, void *(*fn)(void *)) {
-    pthread_t tid[64];
-    int started[64] = {0};
+    pthread_t tid[MAX_JOBS];
+    int started[MAX_JOBS] = {0};
     char *at = (char *)jobs;
-    if (n > 64) n = 64;
+    if (n > MAX_JOBS) n = MAX_JOBS;
     for (int t = 1; t < n; t++)
         started[t] = pthread_create(&tid[t], NULL, fn, at + t * size) == 0;
     fn(at);

@@ -12,6 +12,8 @@ from typing import Iterable, Protocol
 
 import torch
 
+from grpokit.rollout import native_sample
+
 
 @dataclass
 class SamplingParams:
@@ -177,18 +179,15 @@ def _native_draw(logits, temperature, generator, u):
     (grpokit.rollout.native_sample), at the quantiles `draw` would use (the same numbers from
     `generator`, or `u`), and those quantiles; (None, u) where it does not serve (not float32 CPU
     logits, no compiler), and PyTorch's path runs at the quantiles returned (None: not drawn yet)."""
-    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
-        return None, u
-    from grpokit.rollout import native_sample
-    if native_sample.sample_fn() is None:
+    if not native_sample.suits(logits) or native_sample.sample_fn() is None:
         return None, u
     if u is None:
         u = torch.rand((logits.shape[0],), dtype=torch.float64, generator=generator)
     got = native_sample.sample(logits, 1.0 / temperature, u)
     if got is None:
         return None, u
-    tok, logp = got
-    if len(tok) and int(tok.min()) < 0:
+    tok, logp, bad = got
+    if bad:
         check_logits(logits)                 # raises NonFiniteLogits, naming the rows
         return None, u
     return (tok, logp, torch.zeros(len(tok), dtype=torch.bool)), u

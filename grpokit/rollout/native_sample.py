@@ -58,7 +58,7 @@ def _self_check(fn) -> None:
         runs = [sample(x, inv_t, u, threads=t, fn=fn) for t in (1, 2)]
         if any(r is None for r in runs):
             raise RuntimeError(f"sample.c gave no result (n={n} V={V})")
-        (tok, lp), (tok2, lp2) = runs
+        (tok, lp, _), (tok2, lp2, _) = runs
         if not (torch.equal(tok, tok2) and torch.equal(lp, lp2)):
             raise RuntimeError(f"sample.c differs between one and two threads (n={n} V={V})")
         for i in range(n):
@@ -73,9 +73,9 @@ def _self_check(fn) -> None:
     bad = torch.randn(3, 40, generator=g)
     bad[0, 7], bad[2] = float("nan"), float("-inf")
     bad[1, 3] = float("inf")
-    tok, lp = sample(bad, 1.0, torch.zeros(3, dtype=torch.float64), fn=fn)
-    if tok.tolist() != [-1, -1, -1]:
-        raise RuntimeError(f"sample.c drew {tok.tolist()} from rows without a distribution")
+    tok, _, n_bad = sample(bad, 1.0, torch.zeros(3, dtype=torch.float64), fn=fn)
+    if tok.tolist() != [-1, -1, -1] or n_bad != 3:
+        raise RuntimeError(f"sample.c drew {tok.tolist()} ({n_bad} counted) from rows without a distribution")
 
 
 def sample_fn():
@@ -85,12 +85,19 @@ def sample_fn():
     return _state["fn"]
 
 
+def suits(logits: torch.Tensor) -> bool:
+    """Logits the kernel takes: float32 [n, V] on the CPU, each row contiguous."""
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.stride(1) == 1)
+
+
 def sample(logits: torch.Tensor, inv_t: float, u: torch.Tensor, *, threads: int | None = None, fn=None):
-    """(tokens int64 [n], log-probs float32 [n]) drawn from softmax(logits * inv_t) at quantiles u [n]
-    (float64 in [0, 1)), or None where the native code is unavailable or these tensors do not suit
-    it (float32 CPU [n, V] logits with contiguous rows; the caller runs PyTorch's path). A row with no
-    distribution (NaN, +inf, or all -inf) gets token -1."""
-    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+    """(tokens int64 [n], log-probs float32 [n], rows without a distribution) drawn from
+    softmax(logits * inv_t) at quantiles u [n] (float64 in [0, 1)), or None where the native code is
+    unavailable, the logits do not `suit` it, or it declined a row (its largest logit * inv_t at 2^20
+    or more): the caller runs PyTorch's path. A row with no distribution (NaN, +inf, or all -inf)
+    gets token -1."""
+    if not suits(logits):
         return None
     fn = fn or sample_fn()
     if fn is None or not inv_t > 0:
@@ -99,8 +106,6 @@ def sample(logits: torch.Tensor, inv_t: float, u: torch.Tensor, *, threads: int 
     u = u.to(device="cpu", dtype=torch.float64).contiguous()
     tok = torch.empty(n, dtype=torch.int64)
     lp = torch.empty(n, dtype=torch.float32)
-    fn(logits.data_ptr(), logits.stride(0), n, V, float(inv_t), u.data_ptr(), tok.data_ptr(), lp.data_ptr(),
-       torch.get_num_threads() if threads is None else threads)
-    if n and int(tok.min()) < -1:                       # declined: no memory, or logits * inv_t overflow
-        return None
-    return tok, lp
+    bad = fn(logits.data_ptr(), logits.stride(0), n, V, float(inv_t), u.data_ptr(), tok.data_ptr(), lp.data_ptr(),
+             torch.get_num_threads() if threads is None else threads)
+    return None if bad < 0 else (tok, lp, int(bad))

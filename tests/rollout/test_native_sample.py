@@ -152,7 +152,8 @@ def test_logits_far_past_the_temperature_scale_are_declined_and_near_it_exact():
     assert native_sample.sample(far, 1e36, u) is None
     assert native_sample.sample(far, 200.0, u) is None                       # 2e6 > 2^20
     near = torch.tensor([[3.0, 2.0, 1.0e3], [7.0, 7.0, -1.0]])
-    tok, lp = native_sample.sample(near, 1000.0, torch.tensor([0.3, 0.75], dtype=torch.float64))
+    tok, lp, bad = native_sample.sample(near, 1000.0, torch.tensor([0.3, 0.75], dtype=torch.float64))
+    assert bad == 0
     assert tok.tolist() == [2, 1]
     torch.testing.assert_close(lp, torch.tensor([0.0, -0.6931472]), atol=1e-6, rtol=0)
     params = SamplingParams(temperature=1 / 200)          # through sample_next: PyTorch's path draws
