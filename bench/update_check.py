@@ -12,7 +12,9 @@ group, no padding): the update is the policy's forward + backward, 3x a forward.
 best of the BLAS and oneDNN n x n x n GEMMs measured in this process (`run.matmul_peak`).
 `--compare-head`: rounds alternate between the LM head's native kernels and PyTorch's path;
 `--compare-plan`: between micro-batches cut by tokens (the planner) and by rows.
+`--compare-micro-batch-cost C`: between the planner as it is and with its MICRO_BATCH_COST at C.
 `--profile N`: one more update under `torch.profiler`, its N operations with the most self time.
+`--at-step N`: N training steps first, then the measurement on step N's batch.
 """
 
 from __future__ import annotations
@@ -41,9 +43,15 @@ def main() -> None:
     ap.add_argument("--compare-plan", action="store_true",
                     help="alternate rounds with micro-batches cut by tokens (the planner) and by rows "
                          "(a prompt's rows together, --micro-batch rows each: the planner before 2026-12-06)")
+    ap.add_argument("--compare-micro-batch-cost", type=float, default=None, metavar="C",
+                    help="alternate rounds with the planner's MICRO_BATCH_COST as it is and at C "
+                         "(grpokit.train.logprobs: what one more micro-batch is worth in tokens)")
+    ap.add_argument("--at-step", type=int, default=0,
+                    help="train this many steps first and measure on the next step's batch (the bench's "
+                         "timed steps are steps 1-3: with EOS their completions are shorter than step 0's)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    args.steps, args.agent = 2, False
+    args.steps, args.agent = args.at_step + 2, False
 
     import torch
 
@@ -51,15 +59,19 @@ def main() -> None:
     from grpokit.train import worker as worker_mod
 
     trainer = side_grpokit.build(args)
-    trainer.step()
-    trainer.step_idx += 1
+    for _ in range(args.at_step + 1):
+        trainer.step()
+        trainer.step_idx += 1
     batch, worker = trainer.last_batch, trainer.worker
     beta = trainer.step_fn.kl_ctl.beta
     dims, _ = bench_run.real_dims(Path(args.model))
     fl = common.step_flops(dims, [len(p) for p in batch.prompt_ids], batch.lengths.tolist(), common.GROUP_SIZE)
     peak = bench_run.matmul_peak()
 
-    sides = ["native", "pytorch"] if args.compare_head else ["by tokens", "by rows"] if args.compare_plan else ["as is"]
+    mb_cost = logprobs.MICRO_BATCH_COST
+    sides = (["native", "pytorch"] if args.compare_head else ["by tokens", "by rows"] if args.compare_plan
+             else ["as is", f"micro-batch cost {args.compare_micro_batch_cost:g}"]
+             if args.compare_micro_batch_cost is not None else ["as is"])
     plan_by_tokens = logprobs.plan_micro_batches
 
     def plan_by_rows(total_lengths, size, prompts=None):      # a prompt's rows together, `size` rows each
@@ -77,6 +89,7 @@ def main() -> None:
         for side in sides:                     # in alternation, so drift falls on both
             head._state["fns"] = None if side == "pytorch" else saved
             worker_mod.plan_micro_batches = plan_by_rows if side == "by rows" else plan_by_tokens
+            logprobs.MICRO_BATCH_COST = args.compare_micro_batch_cost if side.startswith("micro-batch cost") else mb_cost
             t = time.perf_counter()
             worker.logprobs(batch, "reference", dropout=False)   # (dropout=False: past the cache)
             t_ref[side].append(time.perf_counter() - t)
@@ -85,6 +98,7 @@ def main() -> None:
             t_upd[side].append(time.perf_counter() - t)
     head._state["fns"] = saved
     worker_mod.plan_micro_batches = plan_by_tokens
+    logprobs.MICRO_BATCH_COST = mb_cost
     peaks = [peak, bench_run.matmul_peak()]    # the machine's peak drifts: the best of two, before and after
     top = max(peaks, key=lambda p: p["peak"])["peak"]
     out = {

@@ -9,14 +9,27 @@ through oneDNN, for the forward and both backward GEMMs of a linear layer at the
 runs. Both are IEEE float32 GEMMs (no reduced-precision math); they differ by summation order.
 
 What this module offers:
-  - `linear(x, w, b)`: `F.linear` with a backward, through oneDNN when it is chosen;
+  - `linear(x, w, b)`: `F.linear` with a backward, each of its three GEMMs through the library chosen
+    for that GEMM's role;
+  - `matmul_t(a, b, role)`: a @ b^T for a custom function's own GEMMs (the LM head's);
   - `pack(w, rows)` / `linear(x, packed, b)`: a weight laid out once for many calls (generation;
     chosen by its own timing at decoding's shapes, `use_packed`);
   - `fast_linears(*models)`: a context in which the models' `nn.Linear` layers use `linear`;
-  - `choose(mode)`: `auto` (default) times both on this machine and keeps oneDNN if it is at least
-    15% faster; `onednn` / `blas` force one. Env: GRPOKIT_CPU_GEMM.
+  - `choose(mode)`: `auto` (default) times both libraries on this machine for each role and keeps
+    oneDNN where it is at least 5% faster; `onednn` / `blas` force one. Env: GRPOKIT_CPU_GEMM.
 
-The `auto` choice is timed once per machine, not per process, and kept in
+**Roles** (`ROLES`): a linear layer's forward x w^T, its input gradient g w, its weight gradient
+g^T x, and the LM head's weight gradient (logits^T h: tens of thousands of rows from a few hundred
+tokens). Each is chosen on its own: the libraries' kernels differ by operand layout, not only by
+instruction set. On a 2-core AMD EPYC (Zen 4), at a training micro-batch's shapes (300-560 tokens,
+SmolLM2's projections, two threads, best of 15 alternated rounds), oneDNN ran the forward GEMMs at
+185-204 GFLOP/s against 147-194 through MKL and the input gradients at 200-223 against 160-192, but
+the head's weight gradient at 112-124 against 146-160; the layers' weight gradients went either way
+by shape. One choice for all three (the rule before 2026-12-07, on a forward GEMM alone with a 15%
+margin) kept MKL for everything there, and the training forward and update ran 10-12% slower than
+through oneDNN (docs/performance.md).
+
+The `auto` choices are timed once per machine, not per process, and kept in
 `$GRPOKIT_CACHE/gemm/` (named by the CPU and the torch version): two GEMMs differ in summation
 order, so a choice timed again by every process would, on a loaded machine, let a rollout server and
 the trainer's ranks, or two runs of one seed, round differently.
@@ -41,7 +54,16 @@ from grpokit.cache import cache_dir, cpu_id
 
 log = logging.getLogger(__name__)
 
-_state: dict = {"mode": os.environ.get("GRPOKIT_CPU_GEMM", "auto"), "use": None, "packed": None}
+_state: dict = {"mode": os.environ.get("GRPOKIT_CPU_GEMM", "auto"), "use": {}, "packed": None}
+
+# role -> (the name its choice is kept under, what it computes); see the module's docstring
+ROLES = {
+    "forward": ("onednn_forward", "x w^T: a linear's forward, the LM head's logits"),
+    "grad_input": ("onednn_grad_input", "g w: a linear's (and the head's) input gradient"),
+    "grad_weight": ("onednn_grad_weight", "g^T x: a linear layer's weight gradient"),
+    "head_grad_weight": ("onednn_head_grad_weight", "logits^T h: the LM head's weight gradient"),
+}
+MARGIN = 1.05     # oneDNN is kept for a role where it is at least this much faster
 
 
 def _op():
@@ -59,7 +81,7 @@ def choose(mode: str = "auto") -> None:
     """Set the policy: `auto` (time both once), `onednn` or `blas`."""
     if mode not in ("auto", "onednn", "blas"):
         raise ValueError(f"cpu gemm mode must be auto, onednn or blas, not {mode!r}")
-    _state["mode"], _state["use"], _state["packed"] = mode, None, None
+    _state["mode"], _state["use"], _state["packed"] = mode, {}, None
 
 
 def _race(a, b, rounds: int = 7) -> tuple[float, float]:
@@ -76,12 +98,28 @@ def _race(a, b, rounds: int = 7) -> tuple[float, float]:
     return best[0], best[1]
 
 
-def _time_linear() -> bool:
+def _role_operands(role: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(a, b) pairs for a @ b^T as `role` lays them out, at a training micro-batch's sizes: 512 tokens
+    through a 512 -> 1536 and a 1536 -> 512 projection (the head: a 32,768-token vocabulary, 256
+    tokens, 512 wide)."""
+    g = torch.Generator().manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=g)        # noqa: E731
+    if role == "head_grad_weight":
+        return [(r(256, 32768).t(), r(256, 512).t())]
+    pairs = []
+    for n_in, n_out in ((512, 1536), (1536, 512)):
+        x, w, gy = r(512, n_in), r(n_out, n_in), r(512, n_out)
+        pairs.append({"forward": (x, w), "grad_input": (gy, w.t()), "grad_weight": (gy.t(), x.t())}[role])
+    return pairs
+
+
+def _time_role(role: str) -> bool:
+    """Whether oneDNN beats the BLAS by `MARGIN` at `role`'s GEMMs (their summed best times)."""
     try:
-        x, w = torch.randn(512, 512), torch.randn(1024, 512)
-        op = _op()
-        blas, dnn = _race(lambda: F.linear(x, w), lambda: op(x, w, None, "none", [], ""))
-        return dnn * 1.15 < blas
+        op, pairs = _op(), _role_operands(role)
+        blas, dnn = _race(lambda: [F.linear(a, b) for a, b in pairs],
+                          lambda: [op(a, b, None, "none", [], "") for a, b in pairs])
+        return dnn * MARGIN < blas
     except RuntimeError:
         return False
 
@@ -125,17 +163,23 @@ def _machine_choice(name: str, timed) -> bool:
         return bool(timed())
 
 
-def use_onednn() -> bool:
-    """Whether float32 CPU linears go through oneDNN (decided once per machine, `_machine_choice`)."""
-    if _state["use"] is None:
+def uses(role: str) -> bool:
+    """Whether float32 CPU GEMMs of `role` (`ROLES`) go through oneDNN (each decided once per
+    machine, `_machine_choice`)."""
+    if role not in _state["use"]:
         mode = _state["mode"]
         if mode == "blas" or not available():
-            _state["use"] = False
+            _state["use"][role] = False
         elif mode == "onednn":
-            _state["use"] = True
+            _state["use"][role] = True
         else:
-            _state["use"] = _machine_choice("onednn_linear", _time_linear)
-    return _state["use"]
+            _state["use"][role] = _machine_choice(ROLES[role][0], lambda: _time_role(role))
+    return _state["use"][role]
+
+
+def use_onednn() -> bool:
+    """Whether linears take `linear` (some GEMM of theirs goes through oneDNN) rather than `F.linear`."""
+    return any(uses(role) for role in ("forward", "grad_input", "grad_weight"))
 
 
 def use_packed() -> bool:
@@ -159,50 +203,56 @@ def _eligible(*ts) -> bool:
     return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32) for t in ts)
 
 
+def _mm_t(a: torch.Tensor, b: torch.Tensor, role: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b^T (+ bias) for 2-D a [M, K], b [N, K] (either may be a transposed view), through the
+    library chosen for `role`."""
+    if uses(role):
+        return _op()(a, b, bias, "none", [], "")
+    return F.linear(a, b, bias)
+
+
 class _OneDNNLinear(torch.autograd.Function):
-    """y = x w^T + b with all three GEMMs (forward, grad x, grad w) through oneDNN."""
+    """y = x w^T + b with each of the three GEMMs (forward, grad x, grad w) through its role's choice."""
 
     @staticmethod
     def forward(ctx, x, w, b):
-        op = _op()
         x2 = x.reshape(-1, x.shape[-1])                                   # [M, K]
-        y = op(x2, w, b, "none", [], "")                                  # [M, N]
+        y = _mm_t(x2, w, "forward", b)                                    # [M, N]
         ctx.save_for_backward(x2, w)
         ctx.in_shape, ctx.has_b = x.shape, b is not None
         return y.view(*x.shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx, gy):
-        op = _op()
         x2, w = ctx.saved_tensors
         g2 = gy.reshape(-1, gy.shape[-1])                                 # [M, N]
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            gx = op(g2, w.t(), None, "none", [], "").view(ctx.in_shape)   # [M, K] = g w
+            gx = _mm_t(g2, w.t(), "grad_input").view(ctx.in_shape)        # [M, K] = g w
         if ctx.needs_input_grad[1]:
-            gw = op(g2.t(), x2.t(), None, "none", [], "")                 # [N, K] = g^T x
+            gw = _mm_t(g2.t(), x2.t(), "grad_weight")                     # [N, K] = g^T x
         if ctx.has_b and ctx.needs_input_grad[2]:
             gb = g2.sum(0)
         return gx, gw, gb
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, w, b)`, through oneDNN for float32 CPU tensors when chosen. `w` may be a weight
-    from `pack` (then no gradient flows to it)."""
+    """`F.linear(x, w, b)`, its GEMMs through oneDNN for float32 CPU tensors where chosen (`uses`).
+    `w` may be a weight from `pack` (then no gradient flows to it)."""
     if w.layout == torch._mkldnn:
         return _op()(x, w, b, "none", [], "")
     if not (_eligible(x, w, b) and use_onednn()):
         return F.linear(x, w, b)
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
         return _OneDNNLinear.apply(x, w, b)
-    return _op()(x.reshape(-1, x.shape[-1]), w, b, "none", [], "").view(*x.shape[:-1], w.shape[0])
+    return _mm_t(x.reshape(-1, x.shape[-1]), w, "forward", b).view(*x.shape[:-1], w.shape[0])
 
 
-def matmul_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def matmul_t(a: torch.Tensor, b: torch.Tensor, role: str = "forward") -> torch.Tensor:
     """a @ b^T for 2-D a [M, K] and b [N, K] (either may be a transposed view), through oneDNN for
-    float32 CPU tensors when chosen; no autograd (for the backward of a custom function)."""
-    if _eligible(a, b) and use_onednn():
-        return _op()(a, b, None, "none", [], "")
+    float32 CPU tensors where chosen for `role`; no autograd (for the backward of a custom function)."""
+    if _eligible(a, b) and available():
+        return _mm_t(a, b, role)
     return F.linear(a, b)
 
 

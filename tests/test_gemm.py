@@ -68,13 +68,70 @@ def test_the_auto_choice_is_kept_per_machine_and_read_by_other_processes(tmp_pat
     assert calls == [1]
     [kept] = (tmp_path / "gemm").glob("choice-*.json")
 
-    ask = "from grpokit import gemm; print(gemm.use_onednn(), gemm.use_packed())"
-    for want in (True, False):      # another process takes the kept answer, whatever the timing says
-        kept.write_text(json.dumps({"probe": True, "onednn_linear": want, "onednn_packed_decode": not want}))
+    ask = ("from grpokit import gemm; print(gemm.use_onednn(), gemm.use_packed(), "
+           "*(gemm.uses(r) for r in gemm.ROLES))")
+    for want in (True, False):      # another process takes the kept answers, whatever the timing says
+        roles = {name: (want if k % 2 else not want) for k, (name, _) in enumerate(gemm.ROLES.values())}
+        kept.write_text(json.dumps({"probe": True, "onednn_packed_decode": not want, **roles}))
         out = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, check=True,
                              env={**__import__("os").environ, "GRPOKIT_CACHE": str(tmp_path)}).stdout.split()
-        assert out == [str(want), str(not want)]
+        assert out == [str(True), str(not want), *map(str, roles.values())]
 
     kept.write_text("{not json")
     assert gemm._machine_choice("probe", lambda: False) is False
     assert json.loads(kept.read_text()) == {"probe": False}
+
+
+def _onednn_calls(fn) -> int:
+    """How many GEMMs `fn` ran through oneDNN (the profiler's count of its linear op)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key == "mkldnn::_linear_pointwise")
+
+
+@pytest.mark.parametrize("forward", [False, True])
+@pytest.mark.parametrize("grad_input", [False, True])
+@pytest.mark.parametrize("grad_weight", [False, True])
+def test_each_gemm_of_a_linear_takes_the_library_chosen_for_its_role(forward, grad_input, grad_weight):
+    """The three GEMMs of `linear` are chosen one by one: oneDNN runs exactly the roles that chose it
+    (the forward, and a backward asked for the input's or the weight's gradient alone), and the
+    results equal F.linear's whichever ran."""
+    roles = {"forward": forward, "grad_input": grad_input, "grad_weight": grad_weight}
+    gemm.choose("auto")
+    gemm._state["use"] = {**roles, "head_grad_weight": False}
+    g = torch.Generator().manual_seed(0)
+    x0, w0, b0, gy = (torch.randn(*s, generator=g) for s in ((6, 24), (40, 24), (40,), (6, 40)))
+    try:
+        for which, want in (("x", grad_input), ("w", grad_weight)):
+            x, w, b = (t.clone().requires_grad_(name == which) for t, name in ((x0, "x"), (w0, "w"), (b0, "b")))
+            out = {}
+            n_fwd = _onednn_calls(lambda: out.setdefault("y", gemm.linear(x, w, b)))
+            n_bwd = _onednn_calls(lambda: out["y"].backward(gy))
+            if any(roles.values()):            # (no role on oneDNN: F.linear itself, no custom function)
+                assert (n_fwd, n_bwd) == (int(forward), int(want))
+            else:
+                assert (n_fwd, n_bwd) == (0, 0)
+            ref = torch.nn.functional.linear(x0, w0, b0)
+            torch.testing.assert_close(out["y"].detach(), ref, atol=1e-4, rtol=1e-5)
+            grad = x.grad if which == "x" else w.grad
+            want_grad = gy @ w0 if which == "x" else gy.t() @ x0
+            torch.testing.assert_close(grad, want_grad, atol=1e-4, rtol=1e-5)
+    finally:
+        gemm.choose("auto")
+
+
+def test_the_head_weight_gradient_has_a_role_of_its_own():
+    """`matmul_t` with the head's role follows that role's choice alone."""
+    a, bt = torch.randn(30, 200).t(), torch.randn(30, 16).t()       # logits^T [200, 30], h^T [16, 30]
+    for head in (False, True):
+        gemm.choose("auto")
+        gemm._state["use"] = {"forward": True, "grad_input": True, "grad_weight": True, "head_grad_weight": head}
+        try:
+            out = {}
+            assert _onednn_calls(lambda: out.setdefault("m", gemm.matmul_t(a, bt, "head_grad_weight"))) == int(head)
+            out = out["m"]
+            torch.testing.assert_close(out, a @ bt.t(), atol=1e-4, rtol=1e-5)
+        finally:
+            gemm.choose("auto")

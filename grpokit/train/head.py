@@ -151,8 +151,8 @@ class _HeadLogp(torch.autograd.Function):
             logits = matmul_t(h2, w)                               # recomputed, as checkpointing would
         ctx.consumed = True
         _grad_in_place(ctx.fns, logits, targets, ctx.inv_t, lse, g_logp)   # logits -> d loss / d logits
-        gh = matmul_t(logits, w.t()) if ctx.needs_input_grad[0] else None
-        gw = matmul_t(logits.t(), h2.t()) if ctx.needs_input_grad[1] else None
+        gh = matmul_t(logits, w.t(), "grad_input") if ctx.needs_input_grad[0] else None
+        gw = matmul_t(logits.t(), h2.t(), "head_grad_weight") if ctx.needs_input_grad[1] else None
         return gh, gw, None, None, None, None, None
 
 

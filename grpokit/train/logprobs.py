@@ -85,6 +85,9 @@ def build_micro_batch(rows: list[int], prompt_ids: list[list[int]], completion_i
 
 PAD_COST = 0.25   # a padded completion position against a real token, for the lean forward (attention
                   # and copies in the padded layout; no matmul)
+MICRO_BATCH_COST = 64   # one more micro-batch against a real token: what a micro-batch pays whatever its
+                        # size (accumulating every weight's gradient, the tied embedding's dense gradient,
+                        # the per-operation overhead, smaller GEMMs running below their peak)
 
 
 def plan_micro_batches(total_lengths: list[int], size: int, prompts: list | None = None) -> list[list[int]]:
@@ -97,8 +100,11 @@ def plan_micro_batches(total_lengths: list[int], size: int, prompts: list | None
     the completion tokens fed, and a padded position at PAD_COST of a token): completions that
     ended early share a micro-batch with more rows, so the matmuls stay large and the activation
     memory stays within what `size` full rows take. Two orders, rows by total length and rows kept
-    together by prompt (prompts ordered by their longest row), are cut so and into `size` rows each;
-    the plan that feeds fewer tokens wins, and of equals the one with fewer micro-batches."""
+    together by prompt (prompts ordered by their longest row; a prompt's rows are split over two
+    micro-batches only when they do not fit one), are cut so and into `size` rows each; the plan
+    that costs least wins: the tokens it feeds plus MICRO_BATCH_COST for each micro-batch (before
+    2026-12-07 the tokens alone, so groups whose longest rows differed were never put together:
+    with EOS, eight micro-batches of ~150 tokens where four of ~400 fit; docs/performance.md)."""
     order = sorted(range(len(total_lengths)), key=lambda i: total_lengths[i])
     if prompts is None:
         return [order[i:i + size] for i in range(0, len(order), size)]
@@ -116,17 +122,25 @@ def plan_micro_batches(total_lengths: list[int], size: int, prompts: list | None
     # what `size` of the batch's longest completions under its longest prompt feed
     budget = max(map(len, keys), default=0) + size * max((t - len(k) - 1 for t, k in zip(total_lengths, keys)), default=0)
 
-    def cut(rows):
-        plan, cur = [], []
-        for i in rows:
-            if cur and cost(cur + [i]) > budget:
+    def cut(rows, whole_groups=False):
+        plan, cur, k = [], [], 0
+        while k < len(rows):
+            n = 1
+            if whole_groups:                 # a prompt's rows (consecutive in by_prompt) as one piece,
+                while k + n < len(rows) and keys[rows[k + n]] == keys[rows[k]]:   # when they fit at all
+                    n += 1
+                if cost(rows[k:k + n]) > budget:
+                    n = 1
+            piece = rows[k:k + n]
+            if cur and cost(cur + piece) > budget:
                 plan.append(cur)
                 cur = []
-            cur.append(i)
+            cur += piece
+            k += n
         return plan + ([cur] if cur else [])
     rows = [[o[i:i + size] for i in range(0, len(o), size)] for o in (by_prompt, order)]   # `size` rows each
-    plans = [cut(by_prompt), cut(order), *rows]
-    return min(plans, key=lambda plan: (sum(cost(mb) for mb in plan), len(plan)))
+    plans = [cut(by_prompt, whole_groups=True), cut(by_prompt), cut(order), *rows]
+    return min(plans, key=lambda plan: (sum(cost(mb) for mb in plan) + MICRO_BATCH_COST * len(plan), len(plan)))
 
 
 def padding_fraction(batches: list[MicroBatch]) -> float:

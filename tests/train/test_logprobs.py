@@ -81,3 +81,23 @@ def test_plan_packs_short_completions_into_fewer_larger_micro_batches():
     plan = plan_micro_batches([1 + c for c in comp], 4, prompts)
     assert sorted(i for mb in plan for i in mb) == list(range(8))
     assert all(_fed(mb, prompts, comp) <= 1 + 4 * 61 for mb in plan)
+
+
+def test_plan_merges_groups_whose_longest_completions_differ():
+    """With EOS, each group's rows end at their own lengths and each group has its own longest: putting
+    two groups in one micro-batch pads the shorter group's rows in attention. That padding costs far
+    less than one more micro-batch (each pays its weight-gradient accumulation and runs smaller
+    GEMMs), so the plan takes several groups per micro-batch, within the budget, not one each."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [[k + 1] * 50 for k in range(8) for _ in range(8)]
+    comp = []
+    for k in range(8):                              # group k: its longest row 10 + 7k tokens, the rest 4-12
+        comp += [10 + 7 * k] + [int(torch.randint(4, 13, (1,), generator=g)) for _ in range(7)]
+    plan = plan_micro_batches([len(p) + c for p, c in zip(prompts, comp)], 8, prompts)
+    assert sorted(i for mb in plan for i in mb) == list(range(64))            # every row once
+    budget = 50 + 8 * (max(comp) - 1)
+    assert all(_fed(mb, prompts, comp) <= budget for mb in plan)
+    assert len(plan) <= 4                                                     # 8 groups, at most 4 micro-batches
+    assert all(len({tuple(prompts[i]) for i in mb}) == len({i // 8 for i in mb}) for mb in plan)
+    for mb in plan:                                 # a group's rows stay together (its prompt runs once)
+        assert all(set(range(8 * (i // 8), 8 * (i // 8) + 8)) <= set(mb) for i in mb)
