@@ -23,11 +23,11 @@ g^T x, and the LM head's weight gradient (logits^T h: tens of thousands of rows 
 tokens). Each is chosen on its own: the libraries' kernels differ by operand layout, not only by
 instruction set. On a 2-core AMD EPYC (Zen 4), at a training micro-batch's shapes (300-560 tokens,
 SmolLM2's projections, two threads, best of 15 alternated rounds), oneDNN ran the forward GEMMs at
-185-204 GFLOP/s against 147-194 through MKL and the input gradients at 200-223 against 160-192, but
+185-204 GFLOP/s against 147-194 through MKL and the input gradients at 205-223 against 160-192, but
 the head's weight gradient at 112-124 against 146-160; the layers' weight gradients went either way
 by shape. One choice for all three (the rule before 2026-12-07, on a forward GEMM alone with a 15%
-margin) kept MKL for everything there, and the training forward and update ran 10-12% slower than
-through oneDNN (docs/performance.md).
+margin) kept MKL for everything there, where the training forward and update took 1.13-1.14x as
+long as with a choice per role (docs/performance.md).
 
 The `auto` choices are timed once per machine, not per process, and kept in
 `$GRPOKIT_CACHE/gemm/` (named by the CPU and the torch version): two GEMMs differ in summation
@@ -56,13 +56,10 @@ log = logging.getLogger(__name__)
 
 _state: dict = {"mode": os.environ.get("GRPOKIT_CPU_GEMM", "auto"), "use": {}, "packed": None}
 
-# role -> (the name its choice is kept under, what it computes); see the module's docstring
-ROLES = {
-    "forward": ("onednn_forward", "x w^T: a linear's forward, the LM head's logits"),
-    "grad_input": ("onednn_grad_input", "g w: a linear's (and the head's) input gradient"),
-    "grad_weight": ("onednn_grad_weight", "g^T x: a linear layer's weight gradient"),
-    "head_grad_weight": ("onednn_head_grad_weight", "logits^T h: the LM head's weight gradient"),
-}
+# role -> the name its choice is kept under (the module's docstring says what each computes)
+ROLES = {"forward": "onednn_forward", "grad_input": "onednn_grad_input", "grad_weight": "onednn_grad_weight",
+         "head_grad_weight": "onednn_head_grad_weight"}
+LINEAR_ROLES = ("forward", "grad_input", "grad_weight")     # the three GEMMs of `linear`
 MARGIN = 1.05     # oneDNN is kept for a role where it is at least this much faster
 
 
@@ -173,13 +170,13 @@ def uses(role: str) -> bool:
         elif mode == "onednn":
             _state["use"][role] = True
         else:
-            _state["use"][role] = _machine_choice(ROLES[role][0], lambda: _time_role(role))
+            _state["use"][role] = _machine_choice(ROLES[role], lambda: _time_role(role))
     return _state["use"][role]
 
 
 def use_onednn() -> bool:
     """Whether linears take `linear` (some GEMM of theirs goes through oneDNN) rather than `F.linear`."""
-    return any(uses(role) for role in ("forward", "grad_input", "grad_weight"))
+    return any(uses(role) for role in LINEAR_ROLES)
 
 
 def use_packed() -> bool:
@@ -251,9 +248,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 def matmul_t(a: torch.Tensor, b: torch.Tensor, role: str = "forward") -> torch.Tensor:
     """a @ b^T for 2-D a [M, K] and b [N, K] (either may be a transposed view), through oneDNN for
     float32 CPU tensors where chosen for `role`; no autograd (for the backward of a custom function)."""
-    if _eligible(a, b) and available():
-        return _mm_t(a, b, role)
-    return F.linear(a, b)
+    return _mm_t(a, b, role) if _eligible(a, b) else F.linear(a, b)
 
 
 def pack(w: torch.Tensor, rows: int) -> torch.Tensor:
