@@ -12,9 +12,11 @@ computes the same function with the model's own parameters (so autograd reaches 
   its completions) -- the prompt is shared by the group in training as in sampling;
 - prompt and completion tokens go through each projection as one matrix (one GEMM per weight),
   and padding does not: short prompts' left padding and the right padding of completions that
-  ended early are left out of the matrix (the real tokens packed), and placed back, as zeros, only
-  for attention's padded layout -- with EOS, a group's rows end far apart, and its padding was
-  half of what the projections multiplied;
+  ended early are left out of the matrix (the real tokens packed) -- with EOS, a group's rows end
+  far apart, and its padding was half of what the projections multiplied;
+- attention gathers the packed tokens into padded layouts: the prompts', and the completions' cut
+  into up to MAX_BUCKETS buckets of rows by length (`buckets`), each attended at its own longest
+  row's length, so a micro-batch's short rows are not padded to its longest one;
 - RMSNorm is `torch.nn.functional.rms_norm`, rotary one expression per tensor, attention
   `scaled_dot_product_attention` with grouped KV heads and an explicit boolean mask.
 
@@ -29,6 +31,7 @@ B(A(x)) with the adapters' own parameters, so the gradients reach the adapters.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +94,105 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
 
 
+CALL_COST = 4096
+"""What one more attention call costs, in (query, key) pairs: a call's fixed part (threads, masks,
+the index copies around it) measured at ~0.3 ms on a 2-core machine, where a pair of SmolLM2's
+9 heads costs ~0.07 us. Rows of different lengths are cut into buckets when that saves more."""
+MAX_BUCKETS = 4
+
+
+@dataclass
+class _Layout:
+    """Where attention finds each token: the slots of the prompts' padded layout [u, P], then of
+    each bucket's [rows, L_b] of completions, concatenated (`sizes`); `slot` [Nr] is each packed
+    real token's slot (padding slots hold zeros). Placing tokens into slots is a scatter, whose
+    backward is a gather; the attention's output is read back from the same slots."""
+    slot: torch.Tensor
+    sizes: list
+    shapes: list                     # (u, P), then (rows, L_b) per bucket
+    prompt_of: list                  # per bucket: the prompt index of each row
+    masks: list                      # [u, 1, P, P], then [rows, 1, L_b, P + L_b] per bucket
+
+
+def buckets(lengths: list[int], P: int, call_cost: int = CALL_COST, most: int = MAX_BUCKETS) -> list[int]:
+    """Cut rows sorted by length (ascending, each > 0) into at most `most` runs, each attended at
+    its longest row's length, minimising sum(rows * L * (P + L) + call_cost): the end (exclusive)
+    of each run. Cuts fall between distinct lengths (at most 32 candidates, spread over them)."""
+    n = len(lengths)
+    ends = [i + 1 for i in range(n - 1) if lengths[i] != lengths[i + 1]] + [n]
+    if len(ends) > 32:
+        ends = sorted({ends[round(j * (len(ends) - 1) / 31)] for j in range(32)})
+
+    def cost(a, b):                  # rows a..b-1 (b exclusive), at length lengths[b - 1]
+        ln = lengths[b - 1]
+        return (b - a) * ln * (P + ln) + call_cost
+    best = {(0, 0): (0.0, [])}       # (runs used, rows covered) -> (cost, ends)
+    for k in range(1, most + 1):
+        for e in ends:
+            cands = [(c + cost(s, e), cut + [e]) for (kk, s), (c, cut) in best.items() if kk == k - 1 and s < e]
+            if cands:
+                best[(k, e)] = min(cands, key=lambda t: t[0])
+    return min((v for (k, e), v in best.items() if e == n and k > 0), key=lambda t: t[0])[1]
+
+
+def _layout(p_att: torch.Tensor, c_att: torch.Tensor, inv: torch.Tensor, P: int, Lc: int) -> _Layout:
+    dev = p_att.device
+    u, m = p_att.shape[0], c_att.shape[0]
+    real = torch.cat([p_att.flatten(), c_att.flatten()])
+    Nr = int(real.sum())
+    pidx = torch.full((real.numel(),), Nr, dtype=torch.long, device=dev)     # packed index, Nr: padding
+    pidx[real] = torch.arange(Nr, device=dev)
+    causal_p = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+    eye_p = torch.eye(P, dtype=torch.bool, device=dev)        # a pad query sees itself: no empty row
+    sizes, shapes = [u * P], [(u, P)]
+    masks = [((causal_p[None] & p_att[:, None, :]) | eye_p[None])[:, None]]
+    slot_of = torch.empty(Nr, dtype=torch.long, device=dev)
+    slot_of[pidx[:u * P][p_att.flatten()]] = torch.arange(u * P, device=dev)[p_att.flatten()]
+    prompt_of = []
+    if Lc:
+        c_idx = pidx[u * P:].view(m, Lc)
+        last = (c_att * torch.arange(1, Lc + 1, device=dev)).amax(-1)          # a row's length fed
+        order = torch.argsort(last, stable=True)
+        order = order[last[order] > 0]                                        # rows with tokens fed
+        lens = last[order].tolist()
+        causal = torch.ones(Lc, Lc, dtype=torch.bool, device=dev).tril()
+        start, off = 0, u * P
+        for end in (buckets(lens, P, CALL_COST) if lens else []):
+            rows, Lb = order[start:end], lens[end - 1]
+            n, ca = end - start, c_att[rows, :Lb]
+            sizes.append(n * Lb)
+            shapes.append((n, Lb))
+            prompt_of.append(inv[rows])
+            masks.append(torch.cat([p_att[inv[rows]][:, None, :].expand(n, Lb, P),
+                                    causal[None, :Lb, :Lb] & ca[:, None, :]], -1)[:, None])
+            slot_of[c_idx[rows, :Lb][ca]] = (off + torch.arange(n * Lb, device=dev)).view(n, Lb)[ca]
+            start, off = end, off + n * Lb
+    return _Layout(slot_of, sizes, shapes, prompt_of, masks)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: _Layout, gqa: bool) -> torch.Tensor:
+    """Attention of the packed real tokens q [Nr, nh, d], k, v [Nr, nkv, d] -> [Nr, nh * d]: the
+    prompts in their padded layout (causal over their real tokens), each bucket of completions
+    attending to its rows' prompts and, causally, to their own tokens."""
+    def slots(t):
+        return t.new_zeros((sum(lay.sizes), *t.shape[1:])).index_put((lay.slot,), t).split(lay.sizes)
+    Q, K, V = slots(q), slots(k), slots(v)
+    nh, nkv, d = q.shape[1], k.shape[1], q.shape[2]
+    u, P = lay.shapes[0]
+    kp, vp = (t[0].view(u, P, nkv, d).transpose(1, 2) for t in (K, V))     # [u, nkv, P, d]
+    outs = [F.scaled_dot_product_attention(Q[0].view(u, P, nh, d).transpose(1, 2), kp, vp,
+                                           attn_mask=lay.masks[0], enable_gqa=gqa)]
+    for b in range(1, len(lay.shapes)):
+        n, Lb = lay.shapes[b]
+        rows = lay.prompt_of[b - 1]
+        kb = torch.cat([kp[rows], K[b].view(n, Lb, nkv, d).transpose(1, 2)], 2)   # [n, nkv, P + Lb, d]
+        vb = torch.cat([vp[rows], V[b].view(n, Lb, nkv, d).transpose(1, 2)], 2)
+        outs.append(F.scaled_dot_product_attention(Q[b].view(n, Lb, nh, d).transpose(1, 2), kb, vb,
+                                                   attn_mask=lay.masks[b], enable_gqa=gqa))
+    o = torch.cat([t.transpose(1, 2).reshape(-1, nh * d) for t in outs])
+    return o[lay.slot]
+
+
 def prompt_shared_states(model, ids: torch.Tensor, att: torch.Tensor, P: int, L: int) -> torch.Tensor:
     """Final hidden states [m, L, H] that predict the L completion tokens of each row.
 
@@ -131,16 +233,7 @@ def prompt_shared_states(model, ids: torch.Tensor, att: torch.Tensor, P: int, L:
     cos = (emb.cos() * scale).to(dtype)[:, None]                            # [N, 1, d]
     sin = (emb.sin() * scale).to(dtype)[:, None]
 
-    # masks (True = attend): prompts causal over their real tokens (a pad query sees itself, so no
-    # row is empty); completions see their prompt's real tokens and, causally, their own
-    causal_p = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
-    eye_p = torch.eye(P, dtype=torch.bool, device=dev)
-    mask_p = ((causal_p[None] & p_att[:, None, :]) | eye_p[None])[:, None]  # [u, 1, P, P]
-    if Lc:
-        causal_c = torch.ones(Lc, Lc, dtype=torch.bool, device=dev).tril()
-        mask_c = torch.cat([p_att[inv][:, None, :].expand(m, Lc, P),
-                            causal_c[None] & c_att[:, None, :]], -1)[:, None]   # [m, 1, Lc, P + Lc]
-
+    lay = _layout(p_att, c_att, inv, P, Lc)
     Np = u * P
 
     def unpack(t):                     # [Nr, ...] packed -> [Np + Nc, ...], zeros at padding
@@ -151,22 +244,10 @@ def prompt_shared_states(model, ids: torch.Tensor, att: torch.Tensor, P: int, L:
     for layer in inner.layers:
         a, mlp = layer.self_attn, layer.mlp
         h = _rms(x, layer.input_layernorm.weight, eps)
-        q = unpack(_rope(_proj(h, a.q_proj).view(-1, nh, d), cos, sin))
-        k = unpack(_rope(_proj(h, a.k_proj).view(-1, nkv, d), cos, sin))
-        v = unpack(_proj(h, a.v_proj).view(-1, nkv, d))
-        kp = k[:Np].view(u, P, nkv, d).transpose(1, 2)                      # [u, nkv, P, d]
-        vp = v[:Np].view(u, P, nkv, d).transpose(1, 2)
-        qp = q[:Np].view(u, P, nh, d).transpose(1, 2)
-        o = [F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask_p, enable_gqa=gqa)
-             .transpose(1, 2).reshape(Np, nh * d)]
-        if Lc:
-            kc = torch.cat([kp[inv], k[Np:].view(m, Lc, nkv, d).transpose(1, 2)], 2)   # [m, nkv, P + Lc, d]
-            vc = torch.cat([vp[inv], v[Np:].view(m, Lc, nkv, d).transpose(1, 2)], 2)
-            qc = q[Np:].view(m, Lc, nh, d).transpose(1, 2)
-            o.append(F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask_c, enable_gqa=gqa)
-                     .transpose(1, 2).reshape(m * Lc, nh * d))
-        o = torch.cat(o) if Lc else o[0]
-        x = x + _proj(o if idx is None else o[idx], a.o_proj)
+        q = _rope(_proj(h, a.q_proj).view(-1, nh, d), cos, sin)
+        k = _rope(_proj(h, a.k_proj).view(-1, nkv, d), cos, sin)
+        v = _proj(h, a.v_proj).view(-1, nkv, d)
+        x = x + _proj(_attend(q, k, v, lay, gqa), a.o_proj)
         h = _rms(x, layer.post_attention_layernorm.weight, eps)
         x = x + _proj(F.silu(_proj(h, mlp.gate_proj)) * _proj(h, mlp.up_proj), mlp.down_proj)
     x = unpack(_rms(x, inner.norm.weight, eps))

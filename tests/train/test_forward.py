@@ -50,20 +50,29 @@ def _grads(model):
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
+def _both_paths(model, mb, temperature, before_lean=None):
+    """(lean log-probs, the model's own, the model's own gradients) of a random weighting of the
+    log-probs; the lean path's gradients are left in `.grad`."""
+    w = torch.randn(mb.targets.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    model.zero_grad()
+    want = _reference(model, mb, temperature)
+    (want * w).sum().backward()
+    g_want = _grads(model).clone()
+    model.zero_grad()
+    if before_lean is not None:
+        before_lean()
+    got, _ = completion_logprobs(model, mb, temperature=temperature)
+    (got * w).sum().backward()
+    return got, want, g_want
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 @pytest.mark.parametrize("L", [5, 1])
 def test_lean_forward_equals_the_models_forward(arch, L):
     tok, model = _model(arch)
     mb = _batch(tok, L)
     assert uses_lean_forward(model, mb.attention_mask, mb.prompt_len)
-    w = torch.randn(mb.targets.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    model.zero_grad()
-    want = _reference(model, mb, 0.7)
-    (want * w).sum().backward()
-    g_want = _grads(model).clone()
-    model.zero_grad()
-    got, _ = completion_logprobs(model, mb, temperature=0.7)
-    (got * w).sum().backward()
+    got, want, g_want = _both_paths(model, mb, 0.7)
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(_grads(model), g_want, atol=1e-10, rtol=1e-8)
     assert _grads(model).abs().sum() > 0
@@ -244,3 +253,61 @@ def test_padding_goes_through_no_projection(monkeypatch):
     padded = len(prompts) * P + mb.mask[:, :-1].numel()
     assert fed < padded                                   # the batch has padding to leave out
     assert set(seen) == {fed}
+
+
+def _brute_force_cuts(lengths, P, call_cost, most):
+    """Every way to cut the sorted rows into at most `most` runs: the least cost."""
+    import itertools
+    n = len(lengths)
+    best = None
+    for k in range(1, most + 1):
+        for inner in itertools.combinations(range(1, n), k - 1):
+            ends = [*inner, n]
+            starts = [0, *inner]
+            c = sum((e - s) * lengths[e - 1] * (P + lengths[e - 1]) + call_cost for s, e in zip(starts, ends))
+            best = c if best is None else min(best, c)
+    return best
+
+
+def test_buckets_cut_rows_at_the_least_attention_cost():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        n = int(torch.randint(1, 9, (1,), generator=g))
+        lengths = sorted(torch.randint(1, 40, (n,), generator=g).tolist())
+        P = int(torch.randint(1, 30, (1,), generator=g))
+        call_cost = [0, 200, 4096][trial % 3]
+        ends = lean.buckets(lengths, P, call_cost, most=3)
+        assert ends[-1] == n and ends == sorted(set(ends))
+        starts = [0, *ends[:-1]]
+        got = sum((e - s) * lengths[e - 1] * (P + lengths[e - 1]) + call_cost for s, e in zip(starts, ends))
+        assert got == _brute_force_cuts(lengths, P, call_cost, 3), (lengths, P, call_cost, ends)
+    assert lean.buckets([5] * 6, 10, 0) == [6]                      # equal lengths: one call
+    assert lean.buckets([1, 1, 1, 60], 10, 0) == [3, 4]             # one long row apart
+
+
+@pytest.mark.parametrize("call_cost", [0, 30, None])
+def test_completions_attended_in_buckets_equal_the_models_forward(monkeypatch, call_cost):
+    """Rows of ragged lengths attended in one padded call or cut into buckets by length: the same
+    log-probs and gradients as the model's own forward."""
+    tok, model = _model("llama")
+    a, b = (tok(p)["input_ids"] for p in ("12+34=", "5="))
+    prompts = [a, a, b, a, b, b, a]
+    L = 12
+    lens = torch.tensor([12, 1, 3, 7, 12, 2, 5])
+    comps = torch.randint(3, 12, (len(prompts), L), generator=torch.Generator().manual_seed(4))
+    mask = (torch.arange(L)[None] < lens[:, None]).long()
+    mb = build_micro_batch(list(range(len(prompts))), prompts, comps, mask, tok.pad_token_id)
+    if call_cost is not None:                          # None: the default
+        monkeypatch.setattr(lean, "CALL_COST", call_cost)
+    calls = []
+    real_sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(lean.F, "scaled_dot_product_attention", lambda *a, **k: calls.append(a[0].shape) or real_sdpa(*a, **k))
+    got, want, g_want = _both_paths(model, mb, 1.0, before_lean=calls.clear)
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(_grads(model), g_want, atol=1e-10, rtol=1e-8)
+    per_layer = len(calls) // len(model.model.layers)
+    if call_cost == 0:             # fed lengths 1, 2, 3, 5, 7, 11, 11: the prompts, then 4 buckets
+        assert per_layer == 1 + lean.MAX_BUCKETS, calls
+        assert sorted(c[2] for c in calls[1:per_layer]) == [3, 5, 7, 11]
+    if call_cost is None:
+        assert per_layer == 2, calls                    # tiny rows: one call for the completions

@@ -1,7 +1,7 @@
 import torch
 
 from grpokit.tasks.tiny import build_char_tokenizer, build_tiny_model
-from grpokit.train.logprobs import build_micro_batch, completion_logprobs, plan_micro_batches
+from grpokit.train.logprobs import PAD_COST, build_micro_batch, completion_logprobs, plan_micro_batches
 
 
 def _setup():
@@ -54,9 +54,9 @@ def test_plan_keeps_a_prompts_rows_together_when_that_feeds_fewer_tokens():
 
 def _fed(mb, prompts, comp):
     """What a micro-batch feeds the lean forward's matmuls, counted independently of the planner:
-    each distinct prompt once, each completion but its last token, a padded position at a quarter."""
+    each distinct prompt once, each completion but its last token, a padded position at PAD_COST."""
     fed = [c - 1 for c in (comp[i] for i in mb)]
-    return sum(len(p) for p in {tuple(prompts[i]) for i in mb}) + sum(fed) + 0.25 * sum(max(fed) - f for f in fed)
+    return sum(len(p) for p in {tuple(prompts[i]) for i in mb}) + sum(fed) + PAD_COST * sum(max(fed) - f for f in fed)
 
 
 def test_plan_keeps_full_length_groups_as_they_are():
