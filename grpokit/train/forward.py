@@ -142,8 +142,10 @@ def _layout(p_att: torch.Tensor, c_att: torch.Tensor, inv: torch.Tensor, P: int,
     Nr = int(real.sum())
     pidx = torch.full((real.numel(),), Nr, dtype=torch.long, device=dev)     # packed index, Nr: padding
     pidx[real] = torch.arange(Nr, device=dev)
+    # masks (True = attend): prompts causal over their real tokens (a pad query sees itself, so no
+    # row is empty); completions see their prompt's real tokens and, causally, their own
     causal_p = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
-    eye_p = torch.eye(P, dtype=torch.bool, device=dev)        # a pad query sees itself: no empty row
+    eye_p = torch.eye(P, dtype=torch.bool, device=dev)
     sizes, shapes = [u * P], [(u, P)]
     masks = [((causal_p[None] & p_att[:, None, :]) | eye_p[None])[:, None]]
     slot_of = torch.empty(Nr, dtype=torch.long, device=dev)
@@ -184,9 +186,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: _Layout, gqa
                                            attn_mask=lay.masks[0], enable_gqa=gqa)]
     for b in range(1, len(lay.shapes)):
         n, Lb = lay.shapes[b]
-        rows = lay.prompt_of[b - 1]
-        kb = torch.cat([kp[rows], K[b].view(n, Lb, nkv, d).transpose(1, 2)], 2)   # [n, nkv, P + Lb, d]
-        vb = torch.cat([vp[rows], V[b].view(n, Lb, nkv, d).transpose(1, 2)], 2)
+        pr = lay.prompt_of[b - 1]                                            # each row's prompt
+        kb = torch.cat([kp[pr], K[b].view(n, Lb, nkv, d).transpose(1, 2)], 2)     # [n, nkv, P + Lb, d]
+        vb = torch.cat([vp[pr], V[b].view(n, Lb, nkv, d).transpose(1, 2)], 2)
         outs.append(F.scaled_dot_product_attention(Q[b].view(n, Lb, nh, d).transpose(1, 2), kb, vb,
                                                    attn_mask=lay.masks[b], enable_gqa=gqa))
     o = torch.cat([t.transpose(1, 2).reshape(-1, nh * d) for t in outs])
