@@ -114,7 +114,7 @@ class _Layout:
     masks: list                      # [u, 1, P, P], then [rows, 1, L_b, P + L_b] per bucket
 
 
-def buckets(lengths: list[int], P: int, call_cost: int = CALL_COST, most: int = MAX_BUCKETS) -> list[int]:
+def buckets(lengths: list[int], P: int, call_cost: int, most: int = MAX_BUCKETS) -> list[int]:
     """Cut rows sorted by length (ascending, each > 0) into at most `most` runs, each attended at
     its longest row's length, minimising sum(rows * L * (P + L) + call_cost): the end (exclusive)
     of each run. Cuts fall between distinct lengths (at most 32 candidates, spread over them)."""
@@ -140,8 +140,8 @@ def _layout(p_att: torch.Tensor, c_att: torch.Tensor, inv: torch.Tensor, P: int,
     u, m = p_att.shape[0], c_att.shape[0]
     real = torch.cat([p_att.flatten(), c_att.flatten()])
     Nr = int(real.sum())
-    pidx = torch.full((real.numel(),), Nr, dtype=torch.long, device=dev)     # packed index, Nr: padding
-    pidx[real] = torch.arange(Nr, device=dev)
+    pidx = torch.zeros(real.numel(), dtype=torch.long, device=dev)   # each real position's packed index
+    pidx[real] = torch.arange(Nr, device=dev)                        # (read at real positions only)
     # masks (True = attend): prompts causal over their real tokens (a pad query sees itself, so no
     # row is empty); completions see their prompt's real tokens and, causally, their own
     causal_p = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
