@@ -15,6 +15,8 @@ What this module offers:
   - `pack(w, rows)` / `linear(x, packed, b)`: a weight laid out once for many calls (generation;
     chosen by its own timing at decoding's shapes, `use_packed`);
   - `fast_linears(*models)`: a context in which the models' `nn.Linear` layers use `linear`;
+  - `grads_in_place()`: a context in which a weight gradient that would be added to the weight's
+    existing `.grad` is added by the GEMM itself (`add_grad_t`), for micro-batch accumulation;
   - `choose(mode)`: `auto` (default) times both libraries on this machine for each role and keeps
     oneDNN where it is at least 5% faster; `onednn` / `blas` force one. Env: GRPOKIT_CPU_GEMM.
 
@@ -54,7 +56,7 @@ from grpokit.cache import cache_dir, cpu_id
 
 log = logging.getLogger(__name__)
 
-_state: dict = {"mode": os.environ.get("GRPOKIT_CPU_GEMM", "auto"), "use": {}, "packed": None}
+_state: dict = {"mode": os.environ.get("GRPOKIT_CPU_GEMM", "auto"), "use": {}, "packed": None, "in_place": False}
 
 # role -> the name its choice is kept under (the module's docstring says what each computes)
 ROLES = {"forward": "onednn_forward", "grad_input": "onednn_grad_input", "grad_weight": "onednn_grad_weight",
@@ -226,11 +228,45 @@ class _OneDNNLinear(torch.autograd.Function):
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
             gx = _mm_t(g2, w.t(), "grad_input").view(ctx.in_shape)        # [M, K] = g w
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and not add_grad_t(w, g2.t(), x2.t(), "grad_weight"):
             gw = _mm_t(g2.t(), x2.t(), "grad_weight")                     # [N, K] = g^T x
         if ctx.has_b and ctx.needs_input_grad[2]:
             gb = g2.sum(0)
         return gx, gw, gb
+
+
+@contextmanager
+def grads_in_place():
+    """Within the block (a `backward()` that accumulates into `.grad`, as micro-batches do), a weight
+    gradient computed by `linear` or the LM head is added into the weight's existing `.grad` by its
+    GEMM (beta = 1, `add_grad_t`) instead of returned to autograd, which would write it to a fresh
+    buffer and then add that buffer to `.grad`: one pass over every weight's gradient and its
+    allocation saved per micro-batch after the first. Only for backward passes whose gradients
+    nothing but `.grad` receives: not under data-parallel wrappers, whose hooks on the weights'
+    gradient accumulation would not run."""
+    was, _state["in_place"] = _state["in_place"], True
+    try:
+        yield
+    finally:
+        _state["in_place"] = was
+
+
+def add_grad_t(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, role: str) -> bool:
+    """`w.grad += a @ b^T` in one GEMM, and True, where that is the same result as returning a @ b^T
+    as w's gradient: within `grads_in_place`, w a plain leaf tensor with no gradient hooks, its
+    `.grad` a dense contiguous tensor of a's dtype and device already there, and the GEMM for `role`
+    PyTorch's own (`addmm_` takes beta = 1; the oneDNN call `_mm_t` uses does not). Otherwise
+    False: the caller returns the gradient."""
+    if not _state["in_place"] or type(w) not in (torch.Tensor, torch.nn.Parameter):
+        return False
+    g = w.grad
+    if (g is None or w.grad_fn is not None or g.layout != torch.strided or g.shape != w.shape
+            or not g.is_contiguous() or {g.dtype, b.dtype} != {a.dtype} or {g.device, b.device} != {a.device}
+            or w._backward_hooks or getattr(w, "_post_accumulate_grad_hooks", None)
+            or (_eligible(a, b) and uses(role))):
+        return False
+    g.addmm_(a, b.t())
+    return True
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,5 +1,7 @@
 """grpokit.gemm: oneDNN float32 linears equal F.linear, forward and backward."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -132,3 +134,50 @@ def test_the_head_weight_gradient_has_a_role_of_its_own():
             torch.testing.assert_close(out, a @ bt.t(), atol=1e-4, rtol=1e-5)
         finally:
             gemm.choose("auto")
+
+
+def _addmm_calls(fn) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key == "aten::addmm_")
+
+
+@pytest.mark.parametrize("grad_weight_onednn", [False, True])
+def test_weight_gradients_added_in_place_equal_autograds_accumulation(grad_weight_onednn):
+    """Under `grads_in_place`, micro-batches after the first add each weight's gradient into its
+    `.grad` with one GEMM (beta = 1): the sums equal autograd's own accumulation, for a weight used
+    twice in a pass, a weight with a gradient hook (which must still see every gradient, so it
+    keeps autograd's path) and a bias; where oneDNN runs the weight-gradient GEMM (no beta), nothing
+    is added in place."""
+    gemm.choose("auto")
+    gemm._state["use"] = {"forward": True, "grad_input": True, "grad_weight": grad_weight_onednn,
+                          "head_grad_weight": False}
+    g = torch.Generator().manual_seed(3)
+    w0, w1, b1, hooked0 = (torch.randn(*s, generator=g) * 0.3 for s in ((16, 16), (8, 16), (8,), (16, 16)))
+    xs = [torch.randn(5 + k, 16, generator=g) for k in range(3)]
+
+    def run(in_place: bool):
+        ws = [t.clone().requires_grad_(True) for t in (w0, w1, b1, hooked0)]
+        seen = []
+        ws[3].register_hook(lambda gr: seen.append(gr.clone()))
+        added = []
+        for x in xs:
+            h = torch.tanh(gemm.linear(x, ws[0]))
+            h = torch.tanh(gemm.linear(h, ws[0]))             # the same weight twice in one pass
+            h = gemm.linear(torch.tanh(gemm.linear(h, ws[3])), ws[1], ws[2])
+            loss = (h ** 2).sum()
+            with gemm.grads_in_place() if in_place else contextlib.nullcontext():
+                added.append(_addmm_calls(loss.backward))
+        return [w.grad.clone() for w in ws], len(seen), added
+
+    try:
+        got, seen_in_place, added = run(True)
+        want, seen, added_off = run(False)
+    finally:
+        gemm.choose("auto")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert seen_in_place == seen == 3
+    assert added_off == [0, 0, 0]
+    # the first pass finds no .grad; then w0 (twice) and w1 are added in place, the hooked weight not
+    assert added == ([0, 0, 0] if grad_weight_onednn else [0, 3, 3])

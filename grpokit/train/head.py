@@ -22,7 +22,7 @@ import ctypes
 import torch
 
 from grpokit import cbuild
-from grpokit.gemm import matmul_t
+from grpokit.gemm import add_grad_t, matmul_t
 from grpokit.train.forward import hooked
 
 SOURCE = cbuild.CSRC / "head_logp.c"
@@ -152,7 +152,9 @@ class _HeadLogp(torch.autograd.Function):
         ctx.consumed = True
         _grad_in_place(ctx.fns, logits, targets, ctx.inv_t, lse, g_logp)   # logits -> d loss / d logits
         gh = matmul_t(logits, w.t(), "grad_input") if ctx.needs_input_grad[0] else None
-        gw = matmul_t(logits.t(), h2.t(), "head_grad_weight") if ctx.needs_input_grad[1] else None
+        gw = None
+        if ctx.needs_input_grad[1] and not add_grad_t(w, logits.t(), h2.t(), "head_grad_weight"):
+            gw = matmul_t(logits.t(), h2.t(), "head_grad_weight")
         return gh, gw, None, None, None, None, None
 
 

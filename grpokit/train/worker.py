@@ -24,6 +24,7 @@ from typing import Iterator, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from grpokit import gemm
 from grpokit.algo import loss as loss_lib
 from grpokit.algo.control import decay
 from grpokit.train import forward as lean_forward
@@ -317,7 +318,8 @@ class LocalWorker:
         return out, ntok
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        with gemm.grads_in_place():            # micro-batches after the first: GEMMs add into .grad
+            loss.backward()
 
     @torch.no_grad()
     def _float32_rescues(self, mb: MicroBatch, mask: torch.Tensor) -> str | None:

@@ -149,3 +149,31 @@ def test_completion_logprobs_with_and_without_the_kernels(raw):
     torch.testing.assert_close(ent_a, ent_b, rtol=1e-4, atol=1e-4)
     for a, b in zip(g_a, g_b):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_head_weight_gradient_added_in_place_over_micro_batches(raw):
+    """Three micro-batches under `gemm.grads_in_place` (the worker's backward): the head's weight
+    gradient from the second on is added into `.grad` by its GEMM, and the sum equals PyTorch's path
+    accumulated by autograd."""
+    from grpokit import gemm
+    g = torch.Generator().manual_seed(2)
+    lin = torch.nn.Linear(24, 301, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(301, 24, generator=g))
+    mbs = [(torch.randn(2 + k, 4, 24, generator=g), torch.randint(0, 301, (2 + k, 4), generator=g)) for k in range(3)]
+    saved = dict(gemm._state["use"])
+    gemm._state["use"]["head_grad_weight"] = False          # the BLAS GEMM, which adds with beta = 1
+    grads = []
+    try:
+        for fused in (True, False):
+            lin.weight.grad = None
+            for h, t in mbs:
+                if fused:
+                    with gemm.grads_in_place():
+                        head.logprobs(h, lin.weight, t, 0.8, False)[0].sum().backward()
+                else:
+                    _head_logprobs(lin, None, 0.8, h, t, False)[0].sum().backward()
+            grads.append(lin.weight.grad.clone())
+    finally:
+        gemm._state["use"] = saved
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-5)
