@@ -253,12 +253,12 @@ def grads_in_place():
 
 def add_grad_t(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, role: str) -> bool:
     """`w.grad += a @ b^T` in one GEMM, and True, where that is the same result as returning a @ b^T
-    as w's gradient: within `grads_in_place`, w a plain leaf tensor with no gradient hooks, its
-    `.grad` a dense contiguous tensor of a's dtype and device already there, and the GEMM for `role`
-    PyTorch's own (`addmm_` takes beta = 1; the oneDNN call `_mm_t` uses does not). Otherwise
-    False: the caller returns the gradient."""
-    if not _state["in_place"] or type(w) not in (torch.Tensor, torch.nn.Parameter):
-        return False
+    as w's gradient: within `grads_in_place`, not building a graph of the gradient (`create_graph`),
+    w a plain leaf tensor with no gradient hooks, its `.grad` a dense contiguous tensor of a's dtype
+    and device already there, and the GEMM for `role` PyTorch's own (`addmm_` takes beta = 1; the
+    oneDNN call `_mm_t` uses does not). Otherwise False: the caller returns the gradient."""
+    if not _state["in_place"] or type(w) not in (torch.Tensor, torch.nn.Parameter) or torch.is_grad_enabled():
+        return False                   # (grad mode on in backward: create_graph, a graph of the gradient)
     g = w.grad
     if (g is None or w.grad_fn is not None or g.layout != torch.strided or g.shape != w.shape
             or not g.is_contiguous() or {g.dtype, b.dtype} != {a.dtype} or {g.device, b.device} != {a.device}

@@ -181,3 +181,22 @@ def test_weight_gradients_added_in_place_equal_autograds_accumulation(grad_weigh
     assert added_off == [0, 0, 0]
     # the first pass finds no .grad; then w0 (twice) and w1 are added in place, the hooked weight not
     assert added == ([0, 0, 0] if grad_weight_onednn else [0, 3, 3])
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")    # the cycle is broken below
+def test_a_backward_that_builds_a_graph_of_the_gradient_keeps_autograds_path():
+    """`create_graph=True` (a gradient to differentiate again) turns grad mode on in backward: the
+    weight's gradient must come back through autograd, with its graph, not be added in place."""
+    gemm.choose("auto")
+    gemm._state["use"] = {"forward": True, "grad_input": True, "grad_weight": False, "head_grad_weight": False}
+    try:
+        w = torch.randn(6, 6, requires_grad=True)
+        x = torch.randn(4, 6)
+        gemm.linear(x, w).pow(2).sum().backward()             # a first pass: .grad exists
+        with gemm.grads_in_place():
+            n = _addmm_calls(lambda: gemm.linear(x, w).pow(2).sum().backward(create_graph=True))
+        assert n == 0 and w.grad.requires_grad
+        torch.testing.assert_close(w.grad.detach(), 2 * (2 * (x @ w.t()).t() @ x), rtol=1e-5, atol=1e-5)
+        w.grad = None
+    finally:
+        gemm.choose("auto")
