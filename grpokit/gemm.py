@@ -45,6 +45,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 import types
 from contextlib import contextmanager
@@ -56,7 +57,8 @@ from grpokit.cache import cache_dir, cpu_id
 
 log = logging.getLogger(__name__)
 
-_state: dict = {"mode": os.environ.get("GRPOKIT_CPU_GEMM", "auto"), "use": {}, "packed": None, "in_place": False}
+_state: dict = {"mode": os.environ.get("GRPOKIT_CPU_GEMM", "auto"), "use": {}, "packed": None}
+_backward = threading.local()      # `grads_in_place` per thread (a CPU backward runs on its caller's)
 
 # role -> the name its choice is kept under (the module's docstring says what each computes)
 ROLES = {"forward": "onednn_forward", "grad_input": "onednn_grad_input", "grad_weight": "onednn_grad_weight",
@@ -242,13 +244,14 @@ def grads_in_place():
     GEMM (beta = 1, `add_grad_t`) instead of returned to autograd, which would write it to a fresh
     buffer and then add that buffer to `.grad`: one pass over every weight's gradient and its
     allocation saved per micro-batch after the first. Only for backward passes whose gradients
-    nothing but `.grad` receives: not under data-parallel wrappers, whose hooks on the weights'
-    gradient accumulation would not run."""
-    was, _state["in_place"] = _state["in_place"], True
+    nothing but `.grad` receives: not under data-parallel wrappers (DDP, FSDP2), whose hooks on the
+    weights' gradient accumulation would not run, and which `add_grad_t` cannot see."""
+    was = getattr(_backward, "in_place", False)
+    _backward.in_place = True
     try:
         yield
     finally:
-        _state["in_place"] = was
+        _backward.in_place = was
 
 
 def add_grad_t(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, role: str) -> bool:
@@ -257,7 +260,7 @@ def add_grad_t(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, role: str) -> 
     w a plain leaf tensor with no gradient hooks, its `.grad` a dense contiguous tensor of a's dtype
     and device already there, and the GEMM for `role` PyTorch's own (`addmm_` takes beta = 1; the
     oneDNN call `_mm_t` uses does not). Otherwise False: the caller returns the gradient."""
-    if not _state["in_place"] or type(w) not in (torch.Tensor, torch.nn.Parameter) or torch.is_grad_enabled():
+    if not getattr(_backward, "in_place", False) or type(w) not in (torch.Tensor, torch.nn.Parameter) or torch.is_grad_enabled():
         return False                   # (grad mode on in backward: create_graph, a graph of the gradient)
     g = w.grad
     if (g is None or w.grad_fn is not None or g.layout != torch.strided or g.shape != w.shape

@@ -139,7 +139,9 @@ class DataParallelWorker(LocalWorker):
         return int(tok), int(seq)
 
     def backward(self, loss: torch.Tensor) -> None:
-        (loss * self.ctx.world).backward()     # the wrappers average over ranks; the shares must add
+        # the wrappers average over ranks; the shares must add. Not under gemm.grads_in_place (the
+        # local worker's): DDP and FSDP2 hook each weight's gradient accumulation
+        (loss * self.ctx.world).backward()
 
     def _sync(self, on: bool):
         if self.ctx.mode == "ddp":

@@ -318,7 +318,9 @@ class LocalWorker:
         return out, ntok
 
     def backward(self, loss: torch.Tensor) -> None:
-        with gemm.grads_in_place():            # micro-batches after the first: GEMMs add into .grad
+        # micro-batches after the first: GEMMs add into .grad. Not for a wrapped model (DDP, FSDP2):
+        # their hooks on the gradients' accumulation would not run (DataParallelWorker overrides this)
+        with gemm.grads_in_place():
             loss.backward()
 
     @torch.no_grad()

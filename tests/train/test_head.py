@@ -163,17 +163,19 @@ def test_head_weight_gradient_added_in_place_over_micro_batches(raw):
     mbs = [(torch.randn(2 + k, 4, 24, generator=g), torch.randint(0, 301, (2 + k, 4), generator=g)) for k in range(3)]
     saved = dict(gemm._state["use"])
     gemm._state["use"]["head_grad_weight"] = False          # the BLAS GEMM, which adds with beta = 1
-    grads = []
+    grads, added = [], []
     try:
         for fused in (True, False):
             lin.weight.grad = None
             for h, t in mbs:
                 if fused:
-                    with gemm.grads_in_place():
+                    with gemm.grads_in_place(), torch.profiler.profile() as prof:
                         head.logprobs(h, lin.weight, t, 0.8, False)[0].sum().backward()
+                    added.append(sum(e.count for e in prof.key_averages() if e.key == "aten::addmm_"))
                 else:
                     _head_logprobs(lin, None, 0.8, h, t, False)[0].sum().backward()
             grads.append(lin.weight.grad.clone())
     finally:
         gemm._state["use"] = saved
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-5)
+    assert added == [0, 1, 1]                               # the first micro-batch finds no .grad
