@@ -260,8 +260,9 @@ def add_grad_t(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, role: str) -> 
     w a plain leaf tensor with no gradient hooks, its `.grad` a dense contiguous tensor of a's dtype
     and device already there, and the GEMM for `role` PyTorch's own (`addmm_` takes beta = 1; the
     oneDNN call `_mm_t` uses does not). Otherwise False: the caller returns the gradient."""
-    if not getattr(_backward, "in_place", False) or type(w) not in (torch.Tensor, torch.nn.Parameter) or torch.is_grad_enabled():
-        return False                   # (grad mode on in backward: create_graph, a graph of the gradient)
+    if (not getattr(_backward, "in_place", False) or type(w) not in (torch.Tensor, torch.nn.Parameter)
+            or torch.is_grad_enabled()):          # (grad mode on in backward: create_graph)
+        return False
     g = w.grad
     if (g is None or w.grad_fn is not None or g.layout != torch.strided or g.shape != w.shape
             or not g.is_contiguous() or {g.dtype, b.dtype} != {a.dtype} or {g.device, b.device} != {a.device}

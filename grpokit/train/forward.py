@@ -104,14 +104,17 @@ MAX_BUCKETS = 4
 @dataclass
 class _Layout:
     """Where attention finds each token: the slots of the prompts' padded layout [u, P], then of
-    each bucket's [rows, L_b] of completions, concatenated (`sizes`); `slot` [Nr] is each packed
-    real token's slot (padding slots hold zeros). Placing tokens into slots is a scatter, whose
-    backward is a gather; the attention's output is read back from the same slots."""
+    each bucket's [rows, L_b] of completions, concatenated; `slot` [Nr] is each packed real token's
+    slot (padding slots hold zeros). Placing tokens into slots is a scatter, whose backward is a
+    gather; the attention's output is read back from the same slots."""
     slot: torch.Tensor
-    sizes: list
     shapes: list                     # (u, P), then (rows, L_b) per bucket
     prompt_of: list                  # per bucket: the prompt index of each row
     masks: list                      # [u, 1, P, P], then [rows, 1, L_b, P + L_b] per bucket
+
+    @property
+    def sizes(self) -> list[int]:    # slots per part
+        return [n * length for n, length in self.shapes]
 
 
 def buckets(lengths: list[int], P: int, call_cost: int, most: int = MAX_BUCKETS) -> list[int]:
@@ -146,7 +149,7 @@ def _layout(p_att: torch.Tensor, c_att: torch.Tensor, inv: torch.Tensor, P: int,
     # row is empty); completions see their prompt's real tokens and, causally, their own
     causal_p = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
     eye_p = torch.eye(P, dtype=torch.bool, device=dev)
-    sizes, shapes = [u * P], [(u, P)]
+    shapes = [(u, P)]
     masks = [((causal_p[None] & p_att[:, None, :]) | eye_p[None])[:, None]]
     slot_of = torch.empty(Nr, dtype=torch.long, device=dev)
     slot_of[pidx[:u * P][p_att.flatten()]] = torch.arange(u * P, device=dev)[p_att.flatten()]
@@ -162,22 +165,23 @@ def _layout(p_att: torch.Tensor, c_att: torch.Tensor, inv: torch.Tensor, P: int,
         for end in (buckets(lens, P, CALL_COST) if lens else []):
             rows, Lb = order[start:end], lens[end - 1]
             n, ca = end - start, c_att[rows, :Lb]
-            sizes.append(n * Lb)
             shapes.append((n, Lb))
             prompt_of.append(inv[rows])
             masks.append(torch.cat([p_att[inv[rows]][:, None, :].expand(n, Lb, P),
                                     causal[None, :Lb, :Lb] & ca[:, None, :]], -1)[:, None])
             slot_of[c_idx[rows, :Lb][ca]] = (off + torch.arange(n * Lb, device=dev)).view(n, Lb)[ca]
             start, off = end, off + n * Lb
-    return _Layout(slot_of, sizes, shapes, prompt_of, masks)
+    return _Layout(slot_of, shapes, prompt_of, masks)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: _Layout, gqa: bool) -> torch.Tensor:
     """Attention of the packed real tokens q [Nr, nh, d], k, v [Nr, nkv, d] -> [Nr, nh * d]: the
     prompts in their padded layout (causal over their real tokens), each bucket of completions
     attending to its rows' prompts and, causally, to their own tokens."""
+    sizes = lay.sizes
+
     def slots(t):
-        return t.new_zeros((sum(lay.sizes), *t.shape[1:])).index_put((lay.slot,), t).split(lay.sizes)
+        return t.new_zeros((sum(sizes), *t.shape[1:])).index_put((lay.slot,), t).split(sizes)
     Q, K, V = slots(q), slots(k), slots(v)
     nh, nkv, d = q.shape[1], k.shape[1], q.shape[2]
     u, P = lay.shapes[0]
