@@ -16,7 +16,8 @@ What this module offers:
     chosen by its own timing at decoding's shapes, `use_packed`);
   - `fast_linears(*models)`: a context in which the models' `nn.Linear` layers use `linear`;
   - `grads_in_place()`: a context in which a weight gradient that would be added to the weight's
-    existing `.grad` is added by the GEMM itself (`add_grad_t`), for micro-batch accumulation;
+    existing `.grad` is added by the GEMM itself (`add_grad_t`), for micro-batch accumulation, and
+    `embedding(ids, w)`, whose weight gradient is added into `.grad` row by row there;
   - `choose(mode)`: `auto` (default) times both libraries on this machine for each role and keeps
     oneDNN where it is at least 5% faster; `onednn` / `blas` force one. Env: GRPOKIT_CPU_GEMM.
 
@@ -241,9 +242,9 @@ class _OneDNNLinear(torch.autograd.Function):
 def grads_in_place():
     """Within the block (a `backward()` that accumulates into `.grad`, as micro-batches do), a weight
     gradient computed by `linear` or the LM head is added into the weight's existing `.grad` by its
-    GEMM (beta = 1, `add_grad_t`) instead of returned to autograd, which would write it to a fresh
-    buffer and then add that buffer to `.grad`: one pass over every weight's gradient and its
-    allocation saved per micro-batch after the first. Only for backward passes whose gradients
+    GEMM (beta = 1, `add_grad_t`), and an `embedding`'s row by row, instead of returned to autograd,
+    which would write it to a fresh buffer and then add that buffer to `.grad`: one pass over every
+    weight's gradient and its allocation saved per micro-batch after the first. Only for backward passes whose gradients
     nothing but `.grad` receives: not under data-parallel wrappers (DDP, FSDP2), whose hooks on the
     weights' gradient accumulation would not run, and which `add_grad_t` cannot see."""
     was = getattr(_backward, "in_place", False)
@@ -254,23 +255,63 @@ def grads_in_place():
         _backward.in_place = was
 
 
-def add_grad_t(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, role: str) -> bool:
-    """`w.grad += a @ b^T` in one GEMM, and True, where that is the same result as returning a @ b^T
-    as w's gradient: within `grads_in_place`, not building a graph of the gradient (`create_graph`),
-    w a plain leaf tensor with no gradient hooks, its `.grad` a dense contiguous tensor of a's dtype
-    and device already there, and the GEMM for `role` PyTorch's own (`addmm_` takes beta = 1; the
-    oneDNN call `_mm_t` uses does not). Otherwise False: the caller returns the gradient."""
+def _grad_to_add_into(w: torch.Tensor, *like: torch.Tensor) -> torch.Tensor | None:
+    """w's `.grad`, where adding w's gradient into it in place is the same result as returning the
+    gradient to autograd: within `grads_in_place`, not building a graph of the gradient
+    (`create_graph`), w a plain leaf tensor with no gradient hooks, its `.grad` a dense contiguous
+    tensor already there, of the dtype and device of the operands `like`. Otherwise None."""
     if (not getattr(_backward, "in_place", False) or type(w) not in (torch.Tensor, torch.nn.Parameter)
             or torch.is_grad_enabled()):          # (grad mode on in backward: create_graph)
-        return False
+        return None
     g = w.grad
     if (g is None or w.grad_fn is not None or g.layout != torch.strided or g.shape != w.shape
-            or not g.is_contiguous() or {g.dtype, b.dtype} != {a.dtype} or {g.device, b.device} != {a.device}
-            or w._backward_hooks or getattr(w, "_post_accumulate_grad_hooks", None)
-            or (_eligible(a, b) and uses(role))):
+            or not g.is_contiguous() or any(t.dtype != g.dtype or t.device != g.device for t in like)
+            or w._backward_hooks or getattr(w, "_post_accumulate_grad_hooks", None)):
+        return None
+    return g
+
+
+def add_grad_t(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, role: str) -> bool:
+    """`w.grad += a @ b^T` in one GEMM, and True, where that is the same result as returning a @ b^T
+    as w's gradient (`_grad_to_add_into`) and the GEMM for `role` is PyTorch's own (`addmm_` takes
+    beta = 1; the oneDNN call `_mm_t` uses does not). Otherwise False: the caller returns the gradient."""
+    g = _grad_to_add_into(w, a, b)
+    if g is None or (_eligible(a, b) and uses(role)):
         return False
     g.addmm_(a, b.t())
     return True
+
+
+class _Embedding(torch.autograd.Function):
+    """`F.embedding(ids, w)` whose weight gradient, under `grads_in_place`, is added into w's `.grad`
+    row by row (`index_add_`) where autograd would build a dense [vocabulary, hidden] gradient (a
+    fresh zero-filled buffer, 113 MB for SmolLM2's 49,152 x 576, 545 MB for a 151,936 x 896
+    vocabulary) and then add it to `.grad`: both passes, and the buffer's page faults, per micro-batch."""
+
+    @staticmethod
+    def forward(ctx, ids, w):
+        ctx.save_for_backward(ids, w)
+        return F.embedding(ids, w)
+
+    @staticmethod
+    def backward(ctx, gy):
+        ids, w = ctx.saved_tensors
+        if not ctx.needs_input_grad[1]:
+            return None, None
+        flat, g2 = ids.reshape(-1), gy.reshape(-1, gy.shape[-1])
+        g = _grad_to_add_into(w, g2)
+        if g is not None:
+            g.index_add_(0, flat, g2)
+            return None, None
+        return None, torch.ops.aten.embedding_dense_backward(g2, flat, w.shape[0], -1, False)
+
+
+def embedding(ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`F.embedding(ids, w)` (no padding index, dense gradient), its weight gradient added into
+    `.grad` in place under `grads_in_place` (`_Embedding`)."""
+    if torch.is_grad_enabled() and w.requires_grad:
+        return _Embedding.apply(ids, w)
+    return F.embedding(ids, w)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

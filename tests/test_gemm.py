@@ -177,6 +177,39 @@ def test_weight_gradients_added_in_place_equal_autograds_accumulation(grad_weigh
     assert added == ([0, 0, 0] if grad_weight_onednn else [0, 3, 3])
 
 
+@pytest.mark.parametrize("hooked", [False, True])
+def test_an_embeddings_gradient_added_row_by_row_equals_autograds_accumulation(hooked):
+    """`gemm.embedding` under `grads_in_place`: micro-batches after the first add the embedding's
+    gradient into `.grad` with `index_add_` (ids repeated within a pass, the weight also tied to an
+    output projection), equal to autograd's dense gradients accumulated; a weight with a gradient
+    hook (which must see every gradient) and a backward outside the context keep autograd's path."""
+    g = torch.Generator().manual_seed(5)
+    w0 = torch.randn(11, 6, generator=g)
+    batches = [torch.tensor([[1, 4, 4, 9], [0, 4, 10, 1]]), torch.tensor([[3, 3, 3]]), torch.tensor([[10, 2, 7, 7, 0]])]
+
+    def run(fast: bool, in_place: bool):
+        w = w0.clone().requires_grad_(True)
+        seen = []
+        if hooked:
+            w.register_hook(lambda gr: seen.append(1))
+        adds = []
+        for ids in batches:
+            x = gemm.embedding(ids, w) if fast else torch.nn.functional.embedding(ids, w)
+            logits = torch.tanh(x) @ w.t()                      # the tied output projection
+            loss = (logits.log_softmax(-1)[..., 0] * torch.arange(1.0, ids.shape[-1] + 1)).sum()
+            with gemm.grads_in_place() if in_place else contextlib.nullcontext():
+                adds.append(_calls(loss.backward, "aten::index_add_"))
+        return w.grad.clone(), adds, len(seen)
+
+    want, _, seen_want = run(False, False)
+    got, adds, seen = run(True, True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert adds == ([0, 0, 0] if hooked else [0, 1, 1]) and seen == seen_want
+    got_off, adds_off, _ = run(True, False)
+    torch.testing.assert_close(got_off, want, rtol=1e-5, atol=1e-6)
+    assert adds_off == [0, 0, 0]
+
+
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")    # the cycle is broken below
 def test_a_backward_that_builds_a_graph_of_the_gradient_keeps_autograds_path():
     """`create_graph=True` (a gradient to differentiate again) turns grad mode on in backward: the

@@ -17,6 +17,8 @@ computes the same function with the model's own parameters (so autograd reaches 
 - attention gathers the packed tokens into padded layouts: the prompts', and the completions' cut
   into up to MAX_BUCKETS buckets of rows by length (`buckets`), each attended at its own longest
   row's length, so a micro-batch's short rows are not padded to its longest one;
+- the token embedding's weight gradient is added into `.grad` row by row by micro-batches after
+  the first (`grpokit.gemm.embedding`, under the worker's `grads_in_place`), not built dense;
 - RMSNorm is `torch.nn.functional.rms_norm`, rotary one expression per tensor, attention
   `scaled_dot_product_attention` with grouped KV heads and an explicit boolean mask.
 
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from grpokit.gemm import linear
+from grpokit.gemm import embedding, linear
 from grpokit.rollout.decoder import LeanDecoder, lora_parts
 from grpokit.rollout.decoder import rms_norm as _rms
 
@@ -246,7 +248,7 @@ def prompt_shared_states(model, ids: torch.Tensor, att: torch.Tensor, P: int, L:
         return t if idx is None else t.new_zeros((full, *t.shape[1:])).index_put((idx,), t)
 
     tokens = torch.cat([p_ids.flatten(), c_ids.flatten()])
-    x = F.embedding(tokens if idx is None else tokens[idx], inner.embed_tokens.weight)   # [Nr, H]
+    x = embedding(tokens if idx is None else tokens[idx], inner.embed_tokens.weight)     # [Nr, H]
     for layer in inner.layers:
         a, mlp = layer.self_attn, layer.mlp
         h = _rms(x, layer.input_layernorm.weight, eps)
