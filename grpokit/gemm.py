@@ -244,9 +244,10 @@ def grads_in_place():
     gradient computed by `linear` or the LM head is added into the weight's existing `.grad` by its
     GEMM (beta = 1, `add_grad_t`), and an `embedding`'s row by row, instead of returned to autograd,
     which would write it to a fresh buffer and then add that buffer to `.grad`: one pass over every
-    weight's gradient and its allocation saved per micro-batch after the first. Only for backward passes whose gradients
-    nothing but `.grad` receives: not under data-parallel wrappers (DDP, FSDP2), whose hooks on the
-    weights' gradient accumulation would not run, and which `add_grad_t` cannot see."""
+    weight's gradient and its allocation saved per micro-batch after the first. Only for backward
+    passes whose gradients nothing but `.grad` receives: not under data-parallel wrappers (DDP,
+    FSDP2), whose hooks on the weights' gradient accumulation would not run, and which
+    `add_grad_t` cannot see."""
     was = getattr(_backward, "in_place", False)
     _backward.in_place = True
     try:
@@ -299,7 +300,8 @@ class _Embedding(torch.autograd.Function):
         if not ctx.needs_input_grad[1]:
             return None, None
         flat, g2 = ids.reshape(-1), gy.reshape(-1, gy.shape[-1])
-        g = _grad_to_add_into(w, g2)
+        # on the CPU `index_add_` sums an id's rows in order (deterministic); CUDA's uses atomics
+        g = _grad_to_add_into(w, g2) if g2.device.type == "cpu" else None
         if g is not None:
             g.index_add_(0, flat, g2)
             return None, None
