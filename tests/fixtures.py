@@ -12,6 +12,15 @@ from grpokit.tasks.arithmetic import ArithmeticTask
 from grpokit.tasks.tiny import build_char_tokenizer, build_tiny_model, save_pretrained
 
 
+def op_calls(fn, op: str) -> int:
+    """How many times `fn()` ran operator `op` (the profiler's count, e.g. "aten::addmm_")."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key == op)
+
+
 def tiny_model_dir(path: Path, *, arch: str = "qwen2", hidden: int = 32, layers: int = 2, seed: int = 0) -> Path:
     tok = build_char_tokenizer("0123456789+= ")
     model = build_tiny_model(tok, arch=arch, hidden=hidden, layers=layers, heads=2, intermediate=64,

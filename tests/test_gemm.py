@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from grpokit import gemm
+from tests.fixtures import op_calls
 
 pytestmark = pytest.mark.skipif(not gemm.available(), reason="this torch build has no oneDNN linear")
 
@@ -84,13 +85,7 @@ def test_the_auto_choice_is_kept_per_machine_and_read_by_other_processes(tmp_pat
     assert json.loads(kept.read_text()) == {"probe": False}
 
 
-def _calls(fn, op: str = "mkldnn::_linear_pointwise") -> int:
-    """How many times `fn` ran operator `op` (the profiler's count): by default, GEMMs through oneDNN."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    return sum(e.count for e in prof.key_averages() if e.key == op)
+ONEDNN = "mkldnn::_linear_pointwise"     # a GEMM through oneDNN, as the profiler names it
 
 
 @pytest.mark.parametrize("forward", [False, True])
@@ -109,8 +104,8 @@ def test_each_gemm_of_a_linear_takes_the_library_chosen_for_its_role(forward, gr
         for which, want in (("x", grad_input), ("w", grad_weight)):
             x, w, b = (t.clone().requires_grad_(name == which) for t, name in ((x0, "x"), (w0, "w"), (b0, "b")))
             out = {}
-            n_fwd = _calls(lambda: out.setdefault("y", gemm.linear(x, w, b)))
-            n_bwd = _calls(lambda: out["y"].backward(gy))
+            n_fwd = op_calls(lambda: out.setdefault("y", gemm.linear(x, w, b)), ONEDNN)
+            n_bwd = op_calls(lambda: out["y"].backward(gy), ONEDNN)
             assert (n_fwd, n_bwd) == (int(forward), int(want))
             ref = torch.nn.functional.linear(x0, w0, b0)
             torch.testing.assert_close(out["y"].detach(), ref, atol=1e-4, rtol=1e-5)
@@ -129,7 +124,7 @@ def test_the_head_weight_gradient_has_a_role_of_its_own():
         gemm._state["use"] = {"forward": True, "grad_input": True, "grad_weight": True, "head_grad_weight": head}
         try:
             out = {}
-            assert _calls(lambda: out.setdefault("m", gemm.matmul_t(a, bt, "head_grad_weight"))) == int(head)
+            assert op_calls(lambda: out.setdefault("m", gemm.matmul_t(a, bt, "head_grad_weight")), ONEDNN) == int(head)
             out = out["m"]
             torch.testing.assert_close(out, a @ bt.t(), atol=1e-4, rtol=1e-5)
         finally:
@@ -161,7 +156,7 @@ def test_weight_gradients_added_in_place_equal_autograds_accumulation(grad_weigh
             h = gemm.linear(torch.tanh(gemm.linear(h, ws[3])), ws[1], ws[2])
             loss = (h ** 2).sum()
             with gemm.grads_in_place() if in_place else contextlib.nullcontext():
-                added.append(_calls(loss.backward, "aten::addmm_"))
+                added.append(op_calls(loss.backward, "aten::addmm_"))
         return [w.grad.clone() for w in ws], len(seen), added
 
     try:
@@ -198,7 +193,7 @@ def test_an_embeddings_gradient_added_row_by_row_equals_autograds_accumulation(h
             logits = torch.tanh(x) @ w.t()                      # the tied output projection
             loss = (logits.log_softmax(-1)[..., 0] * torch.arange(1.0, ids.shape[-1] + 1)).sum()
             with gemm.grads_in_place() if in_place else contextlib.nullcontext():
-                adds.append(_calls(loss.backward, "aten::index_add_"))
+                adds.append(op_calls(loss.backward, "aten::index_add_"))
         return w.grad.clone(), adds, len(seen)
 
     want, _, seen_want = run(False, False)
@@ -221,7 +216,7 @@ def test_a_backward_that_builds_a_graph_of_the_gradient_keeps_autograds_path():
         x = torch.randn(4, 6)
         gemm.linear(x, w).pow(2).sum().backward()             # a first pass: .grad exists
         with gemm.grads_in_place():
-            n = _calls(lambda: gemm.linear(x, w).pow(2).sum().backward(create_graph=True), "aten::addmm_")
+            n = op_calls(lambda: gemm.linear(x, w).pow(2).sum().backward(create_graph=True), "aten::addmm_")
         assert n == 0 and w.grad.requires_grad
         torch.testing.assert_close(w.grad.detach(), 2 * (2 * (x @ w.t()).t() @ x), rtol=1e-5, atol=1e-5)
         w.grad = None

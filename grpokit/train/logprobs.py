@@ -88,9 +88,9 @@ PAD_COST = 0.05   # a padded completion position against a real token, for the l
                   # against 21 MFLOP of a token's GEMMs a layer for SmolLM2; the lean forward's length
                   # buckets pad less than the micro-batch's longest row (0.25 before them; 2026-12-07)
 MICRO_BATCH_COST = 64   # one more micro-batch against a real token: what a micro-batch pays whatever its
-                        # size (the tied embedding's dense gradient, the per-operation overhead, smaller
-                        # GEMMs running below their peak; the weights' gradient accumulation too, until it
-                        # was done in place by the GEMMs, gemm.grads_in_place)
+                        # size (the per-operation overhead, smaller GEMMs running below their peak; the
+                        # weights' gradient accumulation and the tied embedding's dense gradient too,
+                        # until both were added into .grad in place, gemm.grads_in_place)
 
 
 def plan_micro_batches(total_lengths: list[int], size: int, prompts: list | None = None) -> list[list[int]]:
