@@ -108,11 +108,15 @@ class _Layout:
     """Where attention finds each token: the slots of the prompts' padded layout [u, P], then of
     each bucket's [rows, L_b] of completions, concatenated; `slot` [Nr] is each packed real token's
     slot (padding slots hold zeros). Placing tokens into slots is a scatter, whose backward is a
-    gather; the attention's output is read back from the same slots."""
+    gather; the attention's output is read back from the same slots. When the completions fill
+    their buckets' slots in their packed order with no padding (every row fed to the same length, as
+    with EOS ignored), `direct` is the number of the prompts' real tokens: the completions' part is
+    then a view of the packed tensors, and only the prompts' tokens are scattered and gathered."""
     slot: torch.Tensor
     shapes: list                     # (u, P), then (rows, L_b) per bucket
     prompt_of: list                  # per bucket: the prompt index of each row
     masks: list                      # [u, 1, P, P], then [rows, 1, L_b, P + L_b] per bucket
+    direct: int | None = None        # see above
 
     @property
     def sizes(self) -> list[int]:    # slots per part
@@ -155,7 +159,7 @@ def _layout(p_att: torch.Tensor, c_att: torch.Tensor, inv: torch.Tensor, P: int,
     masks = [((causal_p[None] & p_att[:, None, :]) | eye_p[None])[:, None]]
     slot_of = torch.empty(Nr, dtype=torch.long, device=dev)
     slot_of[pidx[:u * P][p_att.flatten()]] = torch.arange(u * P, device=dev)[p_att.flatten()]
-    prompt_of = []
+    prompt_of, off = [], u * P
     if Lc:
         c_idx = pidx[u * P:].view(m, Lc)
         last = (c_att * torch.arange(1, Lc + 1, device=dev)).amax(-1)          # a row's length fed
@@ -163,7 +167,7 @@ def _layout(p_att: torch.Tensor, c_att: torch.Tensor, inv: torch.Tensor, P: int,
         order = order[last[order] > 0]                                        # rows with tokens fed
         lens = last[order].tolist()
         causal = torch.ones(Lc, Lc, dtype=torch.bool, device=dev).tril()
-        start, off = 0, u * P
+        start = 0
         for end in (buckets(lens, P, CALL_COST) if lens else []):
             rows, Lb = order[start:end], lens[end - 1]
             n, ca = end - start, c_att[rows, :Lb]
@@ -173,17 +177,23 @@ def _layout(p_att: torch.Tensor, c_att: torch.Tensor, inv: torch.Tensor, P: int,
                                     causal[None, :Lb, :Lb] & ca[:, None, :]], -1)[:, None])
             slot_of[c_idx[rows, :Lb][ca]] = (off + torch.arange(n * Lb, device=dev)).view(n, Lb)[ca]
             start, off = end, off + n * Lb
-    return _Layout(slot_of, shapes, prompt_of, masks)
+    npr = int(p_att.sum())
+    direct = npr if (off - u * P == Nr - npr and torch.equal(
+        slot_of[npr:], torch.arange(u * P, off, device=dev))) else None
+    return _Layout(slot_of, shapes, prompt_of, masks, direct)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: _Layout, gqa: bool) -> torch.Tensor:
     """Attention of the packed real tokens q [Nr, nh, d], k, v [Nr, nkv, d] -> [Nr, nh * d]: the
     prompts in their padded layout (causal over their real tokens), each bucket of completions
     attending to its rows' prompts and, causally, to their own tokens."""
-    sizes = lay.sizes
+    sizes, npr = lay.sizes, lay.direct
 
     def slots(t):
-        return t.new_zeros((sum(sizes), *t.shape[1:])).index_put((lay.slot,), t).split(sizes)
+        if npr is None:
+            return t.new_zeros((sum(sizes), *t.shape[1:])).index_put((lay.slot,), t).split(sizes)
+        first = t.new_zeros((sizes[0], *t.shape[1:])).index_put((lay.slot[:npr],), t[:npr])
+        return [first, *t[npr:].split(sizes[1:])] if len(sizes) > 1 else [first]
     Q, K, V = slots(q), slots(k), slots(v)
     nh, nkv, d = q.shape[1], k.shape[1], q.shape[2]
     u, P = lay.shapes[0]
@@ -197,8 +207,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: _Layout, gqa
         vb = torch.cat([vp[pr], V[b].view(n, Lb, nkv, d).transpose(1, 2)], 2)
         outs.append(F.scaled_dot_product_attention(Q[b].view(n, Lb, nh, d).transpose(1, 2), kb, vb,
                                                    attn_mask=lay.masks[b], enable_gqa=gqa))
-    o = torch.cat([t.transpose(1, 2).reshape(-1, nh * d) for t in outs])
-    return o[lay.slot]
+    outs = [t.transpose(1, 2).reshape(-1, nh * d) for t in outs]
+    if npr is None:
+        return torch.cat(outs)[lay.slot]
+    return torch.cat([outs[0][lay.slot[:npr]], *outs[1:]])
 
 
 def prompt_shared_states(model, ids: torch.Tensor, att: torch.Tensor, P: int, L: int) -> torch.Tensor:

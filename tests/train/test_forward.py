@@ -311,3 +311,28 @@ def test_completions_attended_in_buckets_equal_the_models_forward(monkeypatch, c
         assert sorted(c[2] for c in calls[1:per_layer]) == [3, 5, 7, 11]
     if call_cost is None:
         assert per_layer == 2, calls                    # tiny rows: one call for the completions
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_completions_of_one_length_are_attended_in_place_with_the_models_result(monkeypatch, arch):
+    """Every row fed to the same length (EOS ignored): the completions' queries, keys and values are
+    views of the packed tensors (only the prompts' tokens are scattered into their padded layout),
+    with the model's log-probs and gradients; ragged rows keep the scatter."""
+    tok, model = _model(arch)
+    a, b, c = (tok(p)["input_ids"] for p in ("12+34=", "5=", "9+9="))
+    prompts = [a, b, a, c, b, a]
+    L = 7
+    comps = torch.randint(3, 12, (len(prompts), L), generator=torch.Generator().manual_seed(5))
+    layouts = []
+    real_layout = lean._layout
+    monkeypatch.setattr(lean, "_layout", lambda *a: layouts.append(real_layout(*a)) or layouts[-1])
+    for lens, direct in (([L] * len(prompts), True), ([L, 3, L, L, 5, L], False)):
+        mask = (torch.arange(L)[None] < torch.tensor(lens)[:, None]).long()
+        mb = build_micro_batch(list(range(len(prompts))), prompts, comps, mask, tok.pad_token_id)
+        layouts.clear()
+        got, want, g_want = _both_paths(model, mb, 0.8)
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(_grads(model), g_want, atol=1e-10, rtol=1e-8)
+        assert [lay.direct is not None for lay in layouts] == [direct], lens
+        if direct:                                     # the prompts' real tokens: 6 + 2 + 4
+            assert layouts[0].direct == 12
