@@ -19,8 +19,10 @@ computes the same function with the model's own parameters (so autograd reaches 
   row's length, so a micro-batch's short rows are not padded to its longest one;
 - the token embedding's weight gradient is added into `.grad` row by row by micro-batches after
   the first (`grpokit.gemm.embedding`, under the worker's `grads_in_place`), not built dense;
-- RMSNorm is `torch.nn.functional.rms_norm`, rotary one expression per tensor, attention
-  `scaled_dot_product_attention` with grouped KV heads and an explicit boolean mask.
+- RMSNorm is `torch.nn.functional.rms_norm`, rotary one expression per tensor; attention, in
+  float32 on the CPU, native code over the packed tokens themselves (`grpokit.train.
+  packed_attention`: no padded layout, no copies, no masks), else `scaled_dot_product_attention`
+  over the padded layouts above, with grouped KV heads and an explicit boolean mask.
 
 Results equal the model's forward up to float summation order (tests/train/test_forward.py checks
 log-probs and gradients against it). `supports(model)` says when this path applies; otherwise
@@ -39,10 +41,12 @@ import torch
 import torch.nn.functional as F
 
 from grpokit.gemm import embedding, linear
+from grpokit.train import packed_attention
 from grpokit.rollout.decoder import LeanDecoder, lora_parts
 from grpokit.rollout.decoder import rms_norm as _rms
 
 _enabled = True
+NATIVE = True          # the attention through grpokit/csrc/packed_attend.c where it serves
 
 
 @contextlib.contextmanager
@@ -253,7 +257,12 @@ def prompt_shared_states(model, ids: torch.Tensor, att: torch.Tensor, P: int, L:
     cos = (emb.cos() * scale).to(dtype)[:, None]                            # [N, 1, d]
     sin = (emb.sin() * scale).to(dtype)[:, None]
 
-    lay = _layout(p_att, c_att, inv, P, Lc)
+    if NATIVE and nh % nkv == 0 and packed_attention.usable(ids.device, inner.embed_tokens.weight.dtype):
+        pl = packed_attention.plan(p_att, c_att, inv)
+        attend = (lambda q, k, v: packed_attention.attend(q, k, v, pl))
+    else:
+        lay = _layout(p_att, c_att, inv, P, Lc)
+        attend = (lambda q, k, v: _attend(q, k, v, lay, gqa))
     Np = u * P
 
     def unpack(t):                     # [Nr, ...] packed -> [Np + Nc, ...], zeros at padding
@@ -267,7 +276,7 @@ def prompt_shared_states(model, ids: torch.Tensor, att: torch.Tensor, P: int, L:
         q = _rope(_proj(h, a.q_proj).view(-1, nh, d), cos, sin)
         k = _rope(_proj(h, a.k_proj).view(-1, nkv, d), cos, sin)
         v = _proj(h, a.v_proj).view(-1, nkv, d)
-        x = x + _proj(_attend(q, k, v, lay, gqa), a.o_proj)
+        x = x + _proj(attend(q, k, v), a.o_proj)
         h = _rms(x, layer.post_attention_layernorm.weight, eps)
         x = x + _proj(F.silu(_proj(h, mlp.gate_proj)) * _proj(h, mlp.up_proj), mlp.down_proj)
     x = unpack(_rms(x, inner.norm.weight, eps))
