@@ -11,8 +11,9 @@ attends from the packed tensors themselves to its prompt's keys and, causally, t
 sequence's: no padding, no copies, no masks. The backward recomputes the probabilities from the
 forward's log-sum-exp, as flash attention does (Dao et al. 2022).
 
-Float32 on the CPU only; checked against PyTorch's attention on first load in a process (any
-failure leaves PyTorch's path in use, with one logged line). GRPOKIT_NATIVE=0 turns it off.
+Float32 on a CPU with AVX2 and FMA only; checked against a dense attention in PyTorch operations
+(float64) on first load in a process (any failure leaves PyTorch's path in use, with one logged
+line). GRPOKIT_NATIVE=0 turns it off.
 """
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ QT = 12   # (query, head) pairs in a tile (packed_attend.c)
 
 
 class _Attention(torch.autograd.Function):
+    """q [N, nh, d], k / v [N, nkv, d] -> [N, nh, d]; saves the log-sum-exp for the backward."""
+
     @staticmethod
     def forward(ctx, q, k, v, pl, scale, fns):
         N, nh, d = q.shape
