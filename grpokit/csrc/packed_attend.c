@@ -267,19 +267,22 @@ static void run(job_t *J) {
 
 static void *run_thread(void *arg) { run((job_t *)arg); return NULL; }
 
-static int launch(job_t proto, int threads) {
+/* run proto's tiles on up to `threads` jobs; dqb, when given, holds each job's own nq floats (zeroed) */
+static int launch(job_t proto, int threads, float *dqb, int64_t nq) {
     threads = job_count(threads, proto.ntiles * proto.nkv);
     job_t jobs[MAX_JOBS];
     for (int t = 0; t < threads; t++) {
         jobs[t] = proto;
         jobs[t].job = t;
         jobs[t].jobs = threads;
+        jobs[t].dqb = dqb ? dqb + (int64_t)t * nq : NULL;
         jobs[t].status = -1;
     }
     run_jobs(jobs, sizeof(job_t), threads, run_thread);
+    int rc = 0;
     for (int t = 0; t < threads; t++)
-        if (jobs[t].status != 0) return -1;
-    return 0;
+        if (jobs[t].status != 0) rc = -1;
+    return rc;
 }
 
 int grpokit_packed_forward(const float *q, const float *v, const float *kt, const int64_t *a0,
@@ -291,35 +294,25 @@ int grpokit_packed_forward(const float *q, const float *v, const float *kt, cons
     J.q = q; J.v = v; J.kt = kt; J.a0 = a0; J.a1 = a1; J.b0 = b0; J.tiles = qtiles; J.ntiles = nqt;
     J.N = N; J.nkv = nkv; J.r = r; J.d = d; J.scale = scale; J.out = out; J.out_lse = lse;
     J.which = 0;
-    return launch(J, threads);
+    return launch(J, threads, NULL, 0);
 }
 
+/* one pass over key tiles: dk and dv per tile, dq into each job's own buffer, summed in job order */
 int grpokit_packed_backward(const float *q, const float *k, const float *kt, const float *vt,
-                            const float *dO, const float *lse, const float *D, const int64_t *a0,
-                            const int64_t *a1, const int64_t *b0, const int64_t *e, const int64_t *u,
-                            const int64_t *rs, const int64_t *rows, const int64_t *ktiles, int64_t nkt,
-                            int64_t N, int nkv, int r, int d, float scale, float *dq, float *dk, float *dv, int threads) {
+                            const float *dO, const float *lse, const float *D, const int64_t *e,
+                            const int64_t *u, const int64_t *rs, const int64_t *rows,
+                            const int64_t *ktiles, int64_t nkt, int64_t N, int nkv, int r, int d,
+                            float scale, float *dq, float *dk, float *dv, int threads) {
     job_t J;
     memset(&J, 0, sizeof J);
-    J.q = q; J.k = k; J.kt = kt; J.vt = vt; J.dO = dO; J.lse = lse; J.D = D; J.a0 = a0; J.a1 = a1;
-    J.b0 = b0; J.e = e; J.u = u; J.rs = rs; J.rows = rows; J.N = N; J.nkv = nkv; J.r = r; J.d = d;
-    J.scale = scale;
-    /* one pass over key tiles: dk and dv per tile, dq into each job's own buffer, summed after */
+    J.q = q; J.k = k; J.kt = kt; J.vt = vt; J.dO = dO; J.lse = lse; J.D = D; J.e = e; J.u = u;
+    J.rs = rs; J.rows = rows; J.tiles = ktiles; J.ntiles = nkt; J.N = N; J.nkv = nkv; J.r = r;
+    J.d = d; J.scale = scale; J.which = 1; J.g1 = dk; J.g2 = dv;
     threads = job_count(threads, nkt * nkv);
     const int64_t nq = N * (int64_t)nkv * r * d;
     float *bufs = (float *)calloc((size_t)threads * (size_t)nq, sizeof(float));
     if (!bufs) return -1;
-    job_t jobs[MAX_JOBS];
-    for (int t = 0; t < threads; t++) {
-        jobs[t] = J;
-        jobs[t].which = 1; jobs[t].g1 = dk; jobs[t].g2 = dv; jobs[t].tiles = ktiles; jobs[t].ntiles = nkt;
-        jobs[t].dqb = bufs + (int64_t)t * nq;
-        jobs[t].job = t; jobs[t].jobs = threads; jobs[t].status = -1;
-    }
-    run_jobs(jobs, sizeof(job_t), threads, run_thread);
-    int rc = 0;
-    for (int t = 0; t < threads; t++)
-        if (jobs[t].status != 0) rc = -1;
+    const int rc = launch(J, threads, bufs, nq);
     for (int64_t i = 0; i < nq; i++) {
         float a = bufs[i];
         for (int t = 1; t < threads; t++) a += bufs[(int64_t)t * nq + i];

@@ -88,7 +88,7 @@ def _bind(lib):
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     fwd, bwd = lib.grpokit_packed_forward, lib.grpokit_packed_backward
     fwd.argtypes = [p, p, p, p, p, p, p, i64, i64, i32, i32, i32, f32, p, p, i32]
-    bwd.argtypes = [p, p, p, p, p, p, p, p, p, p, p, p, p, p, p, i64, i64, i32, i32, i32, f32, p, p, p, i32]
+    bwd.argtypes = [p, p, p, p, p, p, p, p, p, p, p, p, i64, i64, i32, i32, i32, f32, p, p, p, i32]
     fwd.restype = bwd.restype = i32
     if not lib.grpokit_packed_supported():
         raise RuntimeError("this CPU has no AVX2 + FMA")
@@ -142,9 +142,9 @@ class _Attention(torch.autograd.Function):
         vt = _transposed(v)
         kk = pl.tiles(8)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        if ctx.fns[1](_ptr(q), _ptr(k), _ptr(kt), _ptr(vt), _ptr(do), _ptr(lse), _ptr(D), _ptr(pl.a0), _ptr(pl.a1),
-                      _ptr(pl.b0), _ptr(pl.e), _ptr(pl.u), _ptr(pl.rs), _ptr(pl.rows), _ptr(kk), kk.shape[0], N, nkv, r, d, ctx.scale, _ptr(dq), _ptr(dk), _ptr(dv),
-                      torch.get_num_threads()):
+        if ctx.fns[1](_ptr(q), _ptr(k), _ptr(kt), _ptr(vt), _ptr(do), _ptr(lse), _ptr(D),
+                      _ptr(pl.e), _ptr(pl.u), _ptr(pl.rs), _ptr(pl.rows), _ptr(kk), kk.shape[0], N, nkv, r, d,
+                      ctx.scale, _ptr(dq), _ptr(dk), _ptr(dv), torch.get_num_threads()):
             raise MemoryError("packed attention: no scratch memory")
         return dq, dk, dv, None, None, None
 
