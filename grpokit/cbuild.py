@@ -3,8 +3,9 @@ ctypes, checked against PyTorch before first use, and replaced by the PyTorch pa
 
 The sources are in grpokit/csrc/: the decoding step's attention (attend.c, `grpokit.rollout.native`),
 the sampler's plain path (sample.c, `grpokit.rollout.native_sample`), the LM head's fused
-log-probabilities (head_logp.c, `grpokit.train.head`) and the training forward's attention
-(packed_attend.c, `grpokit.train.packed_attention`), with what they share in simd.h and threads.h.
+log-probabilities (head_logp.c, `grpokit.train.head`), the training forward's attention
+(packed_attend.c, `grpokit.train.packed_attention`) and its RMSNorm and SwiGLU (layer_ops.c,
+`grpokit.train.layer_ops`), with what they share in simd.h and threads.h.
 Where PyTorch runs on GNU OpenMP, their jobs run on its thread team (`torch_openmp`).
 
 Why plain C through ctypes and not a PyTorch C++ extension: a kernel compiles in about a second (a

@@ -1,6 +1,6 @@
 /* What grpokit's C kernels share: 8-wide float vectors where the compiler targets AVX2 with FMA
  * (VEC = 1; the kernels keep a scalar path for every other machine), their horizontal sum and
- * maximum, and e^x for x <= 0. Included by attend.c and head_logp.c (grpokit/cbuild.py builds each
+ * maximum, and e^x for x <= 0. Included by every kernel in this folder (grpokit/cbuild.py builds each
  * with this directory on the include path, and names a build by these headers too). */
 #ifndef GRPOKIT_SIMD_H
 #define GRPOKIT_SIMD_H

@@ -19,10 +19,12 @@ computes the same function with the model's own parameters (so autograd reaches 
   row's length, so a micro-batch's short rows are not padded to its longest one;
 - the token embedding's weight gradient is added into `.grad` row by row by micro-batches after
   the first (`grpokit.gemm.embedding`, under the worker's `grads_in_place`), not built dense;
-- RMSNorm is `torch.nn.functional.rms_norm`, rotary one expression per tensor; attention, in
-  float32 on the CPU, native code over the packed tokens themselves (`grpokit.train.
-  packed_attention`: no padded layout, no copies, no masks), else `scaled_dot_product_attention`
-  over the padded layouts above, with grouped KV heads and an explicit boolean mask.
+- in float32 on the CPU, RMSNorm, the SwiGLU gate and the rotary embedding are native code, one
+  pass each forward and backward (`grpokit.train.layer_ops`), else `torch.nn.functional.rms_norm`,
+  `silu(g) * u` and rotary as one expression per tensor; attention, in float32 on the CPU, native code
+  over the packed tokens themselves (`grpokit.train.packed_attention`: no padded layout, no copies,
+  no masks), else `scaled_dot_product_attention` over the padded layouts above, with grouped KV
+  heads and an explicit boolean mask.
 
 Results equal the model's forward up to float summation order (tests/train/test_forward.py checks
 log-probs and gradients against it). `supports(model)` says when this path applies; otherwise
@@ -41,12 +43,13 @@ import torch
 import torch.nn.functional as F
 
 from grpokit.gemm import embedding, linear
-from grpokit.train import packed_attention
+from grpokit.train import layer_ops, packed_attention
 from grpokit.rollout.decoder import LeanDecoder, lora_parts
 from grpokit.rollout.decoder import rms_norm as _rms
 
 _enabled = True
 NATIVE = True          # the attention through grpokit/csrc/packed_attend.c where it serves
+NATIVE_LAYER_OPS = True   # RMSNorm, SwiGLU and rotary through grpokit/csrc/layer_ops.c where they serve
 
 
 @contextlib.contextmanager
@@ -269,17 +272,23 @@ def prompt_shared_states(model, ids: torch.Tensor, att: torch.Tensor, P: int, L:
         return t if idx is None else t.new_zeros((full, *t.shape[1:])).index_put((idx,), t)
 
     tokens = torch.cat([p_ids.flatten(), c_ids.flatten()])
+    if NATIVE_LAYER_OPS:
+        norm, glu = (lambda x, w: layer_ops.rms_norm(x, w, eps, _rms)), layer_ops.swiglu
+        rope = (lambda x: layer_ops.rope(x, cos, sin, _rope))
+    else:
+        norm, glu = (lambda x, w: _rms(x, w, eps)), (lambda g, u: F.silu(g) * u)
+        rope = (lambda x: _rope(x, cos, sin))
     x = embedding(tokens if idx is None else tokens[idx], inner.embed_tokens.weight)     # [Nr, H]
     for layer in inner.layers:
         a, mlp = layer.self_attn, layer.mlp
-        h = _rms(x, layer.input_layernorm.weight, eps)
-        q = _rope(_proj(h, a.q_proj).view(-1, nh, d), cos, sin)
-        k = _rope(_proj(h, a.k_proj).view(-1, nkv, d), cos, sin)
+        h = norm(x, layer.input_layernorm.weight)
+        q = rope(_proj(h, a.q_proj).view(-1, nh, d))
+        k = rope(_proj(h, a.k_proj).view(-1, nkv, d))
         v = _proj(h, a.v_proj).view(-1, nkv, d)
         x = x + _proj(attend(q, k, v), a.o_proj)
-        h = _rms(x, layer.post_attention_layernorm.weight, eps)
-        x = x + _proj(F.silu(_proj(h, mlp.gate_proj)) * _proj(h, mlp.up_proj), mlp.down_proj)
-    x = unpack(_rms(x, inner.norm.weight, eps))
+        h = norm(x, layer.post_attention_layernorm.weight)
+        x = x + _proj(glu(_proj(h, mlp.gate_proj), _proj(h, mlp.up_proj)), mlp.down_proj)
+    x = unpack(norm(x, inner.norm.weight))
     first = x[:Np].view(u, P, -1)[:, -1][inv]                               # [m, H] predicts token 0
     if not Lc:
         return first[:, None]
