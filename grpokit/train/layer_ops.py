@@ -5,8 +5,8 @@ PyTorch's RMSNorm forward is one fused operation but its backward is about twent
 operations, and `silu(g) * u` is two operations forward (keeping SiLU's output for the product's
 backward) and three backward. Each is a pass over a [tokens, H] or [tokens, intermediate]
 activation. Measured alone at 470 tokens of SmolLM2's shapes on two cores (forward + backward):
-RMSNorm 0.47 ms, SwiGLU 1.5 ms; a layer runs two RMSNorms and one SwiGLU, so 0.2 s of a 3-micro-
-batch update of 30 layers (docs/performance.md). The rotary embedding in rotate-half form is six
+RMSNorm 0.47-0.64 ms, SwiGLU 0.8-1.6 ms; a layer runs two RMSNorms and one SwiGLU, so about 0.2 s
+of a 3-micro-batch update of 30 layers (docs/performance.md). The rotary embedding in rotate-half form is six
 operations forward and as many backward. Here each is one pass forward and one backward, and
 SwiGLU keeps only its two inputs for the backward (recomputing the sigmoid there).
 
