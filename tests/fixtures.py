@@ -12,6 +12,19 @@ from grpokit.tasks.arithmetic import ArithmeticTask
 from grpokit.tasks.tiny import build_char_tokenizer, build_tiny_model, save_pretrained
 
 
+def unchecked_kernels(module):
+    """A native-kernel module's entry points (`module._bind` over `module.SOURCE`) as built, without
+    the load-time check, which would hide a wrong kernel by falling back to PyTorch; None where they
+    cannot be built here (no compiler, or a CPU the kernels do not support)."""
+    import ctypes
+
+    from grpokit import cbuild
+    try:
+        return module._bind(ctypes.CDLL(str(cbuild.build(module.SOURCE))))
+    except (RuntimeError, OSError):
+        return None
+
+
 def op_calls(fn, op: str) -> int:
     """How many times `fn()` ran operator `op` (the profiler's count, e.g. "aten::addmm_")."""
     from torch.profiler import ProfilerActivity, profile

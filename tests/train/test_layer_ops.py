@@ -2,26 +2,15 @@
 definitions written out in float64: outputs and gradients, at one and two threads; the non-finite
 cases; and the lean forward through them against the model's own forward."""
 
-import ctypes
-
 import pytest
 import torch
 
-from grpokit import cbuild
 from grpokit.train import forward as lean
 from grpokit.train import layer_ops as lo
+from tests.fixtures import unchecked_kernels
 
 
-def _raw():
-    """The kernels as built, without the load-time check (which would hide a wrong kernel by
-    falling back); None where they cannot be built or this CPU lacks AVX2 + FMA."""
-    try:
-        return lo._bind(ctypes.CDLL(str(cbuild.build(lo.SOURCE))))
-    except (RuntimeError, OSError):
-        return None
-
-
-RAW = _raw()
+RAW = unchecked_kernels(lo)      # the load-time check would hide a wrong kernel by falling back
 needs_native = pytest.mark.skipif(RAW is None, reason="no native build here (no C compiler, or no AVX2 + FMA)")
 
 
@@ -88,6 +77,20 @@ def test_native_swiglu_and_its_gradients_equal_the_definition(n):
     _each_thread_count(check)
 
 
+def _check_rope(x, cos, sin, dy, want, g_want):
+    """The kernel's rotation of x (cos, sin [n, 1, d]) and its input gradient against float64
+    `want` and `g_want`, at one and two threads."""
+    n, _, d = x.shape
+
+    def check():
+        x32 = x.float().requires_grad_()
+        got = lo._Rope.apply(x32, cos.float().reshape(n, d), sin.float().reshape(n, d), RAW)
+        g_got, = torch.autograd.grad((got * dy.float()).sum(), (x32,))
+        torch.testing.assert_close(got.double(), want.detach(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(g_got.double(), g_want, atol=1e-5, rtol=1e-5)
+    _each_thread_count(check)
+
+
 @needs_native
 @pytest.mark.parametrize("n,heads,d", [(1, 1, 2), (9, 9, 64), (40, 3, 64), (5, 2, 36)])
 def test_native_rotary_and_its_gradient_equal_a_rotation_of_each_pair(n, heads, d):
@@ -100,16 +103,9 @@ def test_native_rotary_and_its_gradient_equal_a_rotation_of_each_pair(n, heads, 
     z = torch.complex(x64[..., : d // 2], x64[..., d // 2:]) * torch.polar(torch.ones_like(theta), theta)[:, None]
     want = torch.cat([z.real, z.imag], -1)
     g_want, = torch.autograd.grad((want * dy).sum(), (x64,))
-    cos = torch.cat([theta.cos(), theta.cos()], -1)[:, None].float()        # transformers' layout [n, 1, d]
-    sin = torch.cat([theta.sin(), theta.sin()], -1)[:, None].float()
-
-    def check():
-        x32 = x.float().requires_grad_()
-        got = lo._Rope.apply(x32, cos.view(n, d), sin.view(n, d), RAW)
-        g_got, = torch.autograd.grad((got * dy.float()).sum(), (x32,))
-        torch.testing.assert_close(got.double(), want.detach(), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(g_got.double(), g_want, atol=1e-5, rtol=1e-5)
-    _each_thread_count(check)
+    cos = torch.cat([theta.cos(), theta.cos()], -1)[:, None]                # transformers' layout [n, 1, d]
+    sin = torch.cat([theta.sin(), theta.sin()], -1)[:, None]
+    _check_rope(x, cos, sin, dy, want, g_want)
 
 
 @needs_native
@@ -123,14 +119,7 @@ def test_native_rotary_with_unlike_halves_equals_the_rotate_half_expression():
     x64 = x.clone().requires_grad_()
     want = x64 * cos + torch.cat((-x64[..., d // 2:], x64[..., : d // 2]), -1) * sin
     g_want, = torch.autograd.grad((want * dy).sum(), (x64,))
-
-    def check():
-        x32 = x.float().requires_grad_()
-        got = lo._Rope.apply(x32, cos.float().view(n, d), sin.float().view(n, d), RAW)
-        g_got, = torch.autograd.grad((got * dy.float()).sum(), (x32,))
-        torch.testing.assert_close(got.double(), want.detach(), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(g_got.double(), g_want, atol=1e-5, rtol=1e-5)
-    _each_thread_count(check)
+    _check_rope(x, cos, sin, dy, want, g_want)
 
 
 @needs_native

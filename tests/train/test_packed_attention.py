@@ -2,26 +2,15 @@
 independent dense-mask attention in float64: outputs and all three gradients; and the lean forward
 through it against the model's own forward."""
 
-import ctypes
-
 import pytest
 import torch
 
-from grpokit import cbuild
 from grpokit.train import forward as lean
 from grpokit.train import packed_attention as pa
+from tests.fixtures import unchecked_kernels
 
 
-def _raw():
-    """The kernel as built, without the load-time check (which would hide a wrong kernel by falling
-    back); None where it cannot be built or this CPU lacks AVX2 + FMA."""
-    try:
-        return pa._bind(ctypes.CDLL(str(cbuild.build(pa.SOURCE))))
-    except (RuntimeError, OSError):
-        return None
-
-
-RAW = _raw()
+RAW = unchecked_kernels(pa)      # the load-time check would hide a wrong kernel by falling back
 needs_native = pytest.mark.skipif(RAW is None, reason="no native build here (no C compiler, or no AVX2 + FMA)")
 
 
